@@ -1,0 +1,16 @@
+"""API image entrypoint: uvicorn serving the same FastAPI app that Lambda serves via Mangum."""
+
+import os
+
+import uvicorn
+
+from sluice.api.app import create_app
+
+if __name__ == "__main__":
+    uvicorn.run(
+        create_app(),
+        host=os.environ.get("SLUICE_HOST", "127.0.0.1"),
+        port=int(os.environ.get("SLUICE_PORT", "8000")),
+        log_level=os.environ.get("SLUICE_LOG_LEVEL", "info").lower(),
+        access_log=os.environ.get("SLUICE_ACCESS_LOG", "1") == "1",
+    )

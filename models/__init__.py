@@ -1,0 +1,1 @@
+"""Models behind one small interface (see models.base.Model)."""

@@ -1,0 +1,50 @@
+"""Model catalogue. Importing it never imports torch: the API lists models from
+here while only workers construct and load them."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from models.base import Model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    version: str
+    max_batch_size: int
+    description: str
+    factory: str  # "module:Class", imported only when a worker builds the model
+
+
+CATALOGUE: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="minilm-embed",
+            version="all-MiniLM-L6-v2",
+            max_batch_size=64,
+            description="Sentence embeddings: 384 dims, mean pooled, L2-normalized.",
+            factory="models.minilm:MiniLMEmbed",
+        ),
+        ModelSpec(
+            name="synthetic",
+            version="1",
+            max_batch_size=256,
+            description="Costs a + b*n ms per batch; fails on inputs containing '!fail'. For load and fault tests.",
+            factory="models.synthetic:SyntheticModel",
+        ),
+    )
+}
+
+
+def get_spec(name: str) -> ModelSpec | None:
+    return CATALOGUE.get(name)
+
+
+def build(name: str, **options) -> Model:
+    spec = CATALOGUE[name]
+    module_name, class_name = spec.factory.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**options)

@@ -1,0 +1,231 @@
+"""The embedded profile: the whole service on one machine, no Docker.
+
+Starts moto server (the AWS emulator) on 127.0.0.1, creates queues, tables and
+the bucket, registers a demo API key, then runs the API and the workers with
+the same entrypoints the container images use (containers/*/main.py), as
+processes. Ctrl-C or SIGTERM stops workers first (they finish their batch),
+then the API, then the emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_DIR = Path(os.environ.get("SLUICE_STATE_DIR", ROOT / ".sluice"))
+STATE_FILE = STATE_DIR / "embedded.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, ok=(200,)) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status in ok:
+                    return
+        except Exception as exc:  # not up yet
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s ({last})")
+
+
+def emulator_env(port: int) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "embedded",
+        "AWS_SECRET_ACCESS_KEY": "embedded",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+@dataclass
+class Stack:
+    """Processes of one embedded stack; also used by the e2e and reliability tests."""
+
+    api_port: int
+    workers: int = 2
+    emulator_port: int = 0
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    log_dir: Path = STATE_DIR / "logs"
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+        env.update(emulator_env(self.emulator_port))
+        env.setdefault("SLUICE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.workers))))
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env_overrides)
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        # Own process group: Ctrl-C in the terminal reaches the launcher only,
+        # which then stops each child in order.
+        proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_emulator(self) -> None:
+        self.emulator_port = self.emulator_port or free_port()
+        moto = Path(sys.executable).with_name("moto_server")
+        self._spawn("emulator", [str(moto), "-H", "127.0.0.1", "-p", str(self.emulator_port)])
+        wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30)
+
+    def bootstrap(self) -> None:
+        saved = dict(os.environ)
+        os.environ.update(self.env())
+        try:
+            from sluice.bootstrap import ensure_resources
+            from sluice.settings import Settings
+
+            ensure_resources(Settings())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def create_key(self, tenant: str, key: str | None = None) -> str:
+        saved = dict(os.environ)
+        os.environ.update(self.env())
+        try:
+            from sluice.adapters.api_keys import ApiKeys
+            from sluice.settings import Settings
+
+            return ApiKeys(Settings()).create(tenant, key)[0]
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def start_api(self) -> None:
+        self._spawn("api", [sys.executable, "containers/api/main.py"])
+        wait_http(f"{self.url}/health", 60)
+
+    def start_worker(self, index: int) -> subprocess.Popen:
+        return self._spawn(f"worker-{index}", [sys.executable, "containers/worker/main.py"])
+
+    def start(self) -> None:
+        self.env_overrides.setdefault("SLUICE_PORT", str(self.api_port))
+        self.start_emulator()
+        self.bootstrap()
+        self.start_api()
+        for i in range(self.workers):
+            self.start_worker(i)
+        wait_http(f"{self.url}/ready", 30)
+
+    def stop_process(self, name: str, timeout_s: float = 30) -> int | None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop(self) -> None:
+        workers = [n for n in self.procs if n.startswith("worker")]
+        for name in workers:  # all at once: each finishes its own batch
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name in workers:
+            self.stop_process(name)
+        self.stop_process("api")
+        self.stop_process("emulator", timeout_s=10)
+
+    def write_state(self, api_key: str) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port), "pid": os.getpid()}
+        STATE_FILE.write_text(json.dumps(state, indent=2))
+        STATE_FILE.chmod(0o600)
+
+
+def print_banner(stack: Stack, key: str) -> None:
+    url = stack.url
+    print(
+        f"""
+Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}
+API docs: {url}/docs      logs: {stack.log_dir}/
+Demo API key (tenant "demo"): {key}
+
+  export SLUICE_API_KEY={key}
+  curl -s -X POST {url}/v1/tasks -H "x-api-key: $SLUICE_API_KEY" -H 'content-type: application/json' \\
+       -d '{{"model": "minilm-embed", "inputs": ["The cat sits on the mat."], "priority": "high"}}'
+  curl -s {url}/v1/tasks/TASK_ID -H "x-api-key: $SLUICE_API_KEY"
+  .venv/bin/sluice submit --wait "The cat sits on the mat."
+  .venv/bin/sluice keys create --tenant team-a
+
+Ctrl-C stops everything.
+""",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_WORKERS", "2")))
+    args = parser.parse_args(argv)
+
+    stack = Stack(api_port=args.port, workers=args.workers)
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting emulator, API on 127.0.0.1:{args.port} and {args.workers} workers ...", flush=True)
+        stack.start()
+        key = stack.create_key("demo", os.environ.get("SLUICE_API_KEY") or None)
+        stack.write_state(key)
+        print_banner(stack, key)
+        while not stopping:
+            for name, proc in list(stack.procs.items()):
+                if proc.poll() is not None and not stopping:
+                    if name.startswith("worker"):
+                        print(f"{name} exited with {proc.returncode}; restarting it", flush=True)
+                        stack.start_worker(int(name.split("-")[1]))
+                    else:
+                        print(f"{name} exited with {proc.returncode}; see {stack.log_dir}/{name}.log", flush=True)
+                        return 1
+            time.sleep(0.2)
+        return 0
+    except Exception as exc:
+        print(f"start-up failed: {exc}; logs in {stack.log_dir}/", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("stopping workers, API and emulator ...", flush=True)
+        stack.stop()
+        STATE_FILE.unlink(missing_ok=True)
+        print("stopped.", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

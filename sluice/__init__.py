@@ -1,0 +1,3 @@
+"""Sluice: asynchronous inference for PyTorch models on AWS."""
+
+__version__ = "0.1.0"

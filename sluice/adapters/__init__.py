@@ -1,0 +1,1 @@
+"""AWS adapters: the only modules that talk to DynamoDB, S3 and SQS."""

@@ -1,0 +1,98 @@
+"""API keys, stored as SHA-256 hashes with their tenant id."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+
+from botocore.exceptions import ClientError
+
+from sluice.aws import client
+from sluice.contract import ApiKeyRecord, now_ms
+from sluice.settings import Settings
+
+KEY_PREFIX = "sk_"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeys:
+    def __init__(self, settings: Settings, cache_ttl_s: float = 10.0, cache_size: int = 10_000):
+        self.table = settings.keys_table
+        self.ddb = client("dynamodb", settings)
+        self.cache_ttl_s = cache_ttl_s
+        self.cache_size = cache_size
+        self._cache: dict[str, tuple[float, ApiKeyRecord | None]] = {}
+        self._lock = threading.Lock()
+
+    def create(self, tenant_id: str, key: str | None = None) -> tuple[str, ApiKeyRecord]:
+        key = key or KEY_PREFIX + secrets.token_urlsafe(32)
+        record = ApiKeyRecord(
+            key_hash=hash_key(key), tenant_id=tenant_id, key_id=secrets.token_hex(8), created_at=now_ms()
+        )
+        item = {
+            "key_hash": {"S": record.key_hash},
+            "tenant_id": {"S": record.tenant_id},
+            "key_id": {"S": record.key_id},
+            "created_at": {"N": str(record.created_at)},
+            "revoked": {"BOOL": False},
+        }
+        try:
+            self.ddb.put_item(TableName=self.table, Item=item, ConditionExpression="attribute_not_exists(key_hash)")
+        except ClientError as err:
+            # Re-registering the same key (make run with a fixed SLUICE_API_KEY) keeps its tenant.
+            if err.response["Error"]["Code"] != "ConditionalCheckFailedException":
+                raise
+            existing = self._load(record.key_hash)
+            if existing is None or existing.tenant_id != tenant_id:
+                raise ValueError("this key is already registered to another tenant") from None
+            return key, existing
+        return key, record
+
+    def revoke(self, key: str) -> None:
+        self.ddb.update_item(
+            TableName=self.table,
+            Key={"key_hash": {"S": hash_key(key)}},
+            UpdateExpression="SET revoked = :t",
+            ConditionExpression="attribute_exists(key_hash)",
+            ExpressionAttributeValues={":t": {"BOOL": True}},
+        )
+        with self._lock:
+            self._cache.pop(hash_key(key), None)
+
+    def authenticate(self, key: str) -> ApiKeyRecord | None:
+        """The key's record if it is known and not revoked; else None."""
+        digest = hash_key(key)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(digest)
+        if hit and now - hit[0] < self.cache_ttl_s:
+            record = hit[1]
+        else:
+            record = self._load(digest)
+            with self._lock:
+                if len(self._cache) >= self.cache_size:
+                    self._cache.clear()
+                self._cache[digest] = (now, record)
+        # The lookup is by hash; the compare is constant-time anyway so that no
+        # timing difference depends on how much of a guessed key matched.
+        if record is None or record.revoked or not hmac.compare_digest(record.key_hash, digest):
+            return None
+        return record
+
+    def _load(self, digest: str) -> ApiKeyRecord | None:
+        item = self.ddb.get_item(TableName=self.table, Key={"key_hash": {"S": digest}}, ConsistentRead=True).get("Item")
+        if not item:
+            return None
+        return ApiKeyRecord(
+            key_hash=item["key_hash"]["S"],
+            tenant_id=item["tenant_id"]["S"],
+            key_id=item["key_id"]["S"],
+            created_at=int(item["created_at"]["N"]),
+            revoked=item.get("revoked", {}).get("BOOL", False),
+        )

@@ -1,0 +1,37 @@
+"""S3 store for large inputs (claim check) and large results."""
+
+from __future__ import annotations
+
+import json
+
+from sluice.aws import client
+from sluice.settings import Settings
+
+
+class PayloadStore:
+    def __init__(self, settings: Settings):
+        self.bucket = settings.bucket
+        self.presign_expiry_s = settings.presign_expiry_s
+        self.s3 = client("s3", settings)
+
+    @staticmethod
+    def inputs_key(tenant_id: str, task_id: str) -> str:
+        return f"inputs/{tenant_id}/{task_id}.json"
+
+    @staticmethod
+    def result_key(tenant_id: str, task_id: str) -> str:
+        return f"results/{tenant_id}/{task_id}.json"
+
+    def put_json(self, key: str, body: bytes) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")
+
+    def get_json(self, key: str):
+        return json.loads(self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+
+    def delete(self, key: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=key)
+
+    def presigned_get(self, key: str) -> str:
+        return self.s3.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=self.presign_expiry_s
+        )

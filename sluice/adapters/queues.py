@@ -1,0 +1,147 @@
+"""The three SQS priority queues (each with its dead-letter queue)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from botocore.exceptions import ClientError
+
+from sluice.aws import client
+from sluice.contract import Priority, TaskMessage
+from sluice.settings import Settings
+
+_SQS_BATCH = 10
+
+
+@dataclass
+class Received:
+    priority: Priority
+    message_id: str
+    receipt_handle: str
+    body: str
+    receive_count: int
+    received_at: float  # time.monotonic()
+
+    def task(self) -> TaskMessage:
+        return TaskMessage.model_validate_json(self.body)
+
+
+class SendFailed(Exception):
+    def __init__(self, failed_ids: list[str]):
+        super().__init__(f"{len(failed_ids)} messages not sent")
+        self.failed_ids = failed_ids
+
+
+class PriorityQueues:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.sqs = client("sqs", settings)
+        self._urls: dict[str, str] = {}
+        self._depth: dict[Priority, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ addressing
+    def url(self, priority: Priority) -> str:
+        override = self.settings.queue_url_override(priority)
+        return override or self._url_of(self.settings.queue_name(priority))
+
+    def dlq_url(self, priority: Priority) -> str:
+        override = self.settings.queue_url_override(priority)
+        if override:
+            attrs = self.sqs.get_queue_attributes(QueueUrl=override, AttributeNames=["RedrivePolicy"])
+            arn = json.loads(attrs["Attributes"]["RedrivePolicy"])["deadLetterTargetArn"]
+            return self._url_of(arn.rsplit(":", 1)[1])
+        return self._url_of(self.settings.queue_name(priority, dlq=True))
+
+    def _url_of(self, name: str) -> str:
+        with self._lock:
+            if name not in self._urls:
+                self._urls[name] = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
+            return self._urls[name]
+
+    # ------------------------------------------------------------------ send
+    def send(self, message: TaskMessage) -> None:
+        self.sqs.send_message(QueueUrl=self.url(message.priority), MessageBody=message.model_dump_json(exclude_none=True))
+
+    def send_many(self, messages: list[TaskMessage]) -> None:
+        """SendMessageBatch per priority; raises SendFailed naming the task ids not sent."""
+        by_priority: dict[Priority, list[TaskMessage]] = defaultdict(list)
+        for m in messages:
+            by_priority[m.priority].append(m)
+        failed: list[str] = []
+        for priority, group in by_priority.items():
+            for i in range(0, len(group), _SQS_BATCH):
+                chunk = group[i : i + _SQS_BATCH]
+                try:
+                    response = self.sqs.send_message_batch(
+                        QueueUrl=self.url(priority),
+                        Entries=[
+                            {"Id": str(j), "MessageBody": m.model_dump_json(exclude_none=True)}
+                            for j, m in enumerate(chunk)
+                        ],
+                    )
+                    failed += [chunk[int(f["Id"])].task_id for f in response.get("Failed", [])]
+                except ClientError:
+                    failed += [m.task_id for m in chunk]
+        if failed:
+            raise SendFailed(failed)
+
+    # --------------------------------------------------------------- receive
+    def receive(self, priority: Priority, max_messages: int, wait_s: int, visibility_s: int) -> list[Received]:
+        response = self.sqs.receive_message(
+            QueueUrl=self.url(priority),
+            MaxNumberOfMessages=max(1, min(_SQS_BATCH, max_messages)),
+            WaitTimeSeconds=wait_s,
+            VisibilityTimeout=visibility_s,
+            MessageSystemAttributeNames=["ApproximateReceiveCount"],
+        )
+        now = time.monotonic()
+        return [
+            Received(
+                priority=priority,
+                message_id=m["MessageId"],
+                receipt_handle=m["ReceiptHandle"],
+                body=m["Body"],
+                receive_count=int(m.get("Attributes", {}).get("ApproximateReceiveCount", "1")),
+                received_at=now,
+            )
+            for m in response.get("Messages", [])
+        ]
+
+    def delete_many(self, messages: list[Received]) -> None:
+        self._per_queue(messages, lambda url, entries: self.sqs.delete_message_batch(QueueUrl=url, Entries=entries), {})
+
+    def change_visibility_many(self, messages: list[Received], timeout_s: int) -> None:
+        self._per_queue(
+            messages,
+            lambda url, entries: self.sqs.change_message_visibility_batch(QueueUrl=url, Entries=entries),
+            {"VisibilityTimeout": timeout_s},
+        )
+
+    def _per_queue(self, messages: list[Received], call, extra: dict) -> None:
+        by_priority: dict[Priority, list[Received]] = defaultdict(list)
+        for m in messages:
+            by_priority[m.priority].append(m)
+        for priority, group in by_priority.items():
+            url = self.url(priority)
+            for i in range(0, len(group), _SQS_BATCH):
+                chunk = group[i : i + _SQS_BATCH]
+                call(url, [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)])
+
+    # ----------------------------------------------------------------- depth
+    def depth(self, priority: Priority, max_age_s: float = 1.0) -> int:
+        """Approximate visible messages, cached briefly: it is asked on every submit."""
+        cached = self._depth.get(priority)
+        now = time.monotonic()
+        if cached and now - cached[0] < max_age_s:
+            return cached[1]
+        attrs = self.sqs.get_queue_attributes(
+            QueueUrl=self.url(priority), AttributeNames=["ApproximateNumberOfMessages"]
+        )["Attributes"]
+        value = int(attrs.get("ApproximateNumberOfMessages", 0))
+        self._depth[priority] = (now, value)
+        return value

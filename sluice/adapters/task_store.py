@@ -1,0 +1,230 @@
+"""DynamoDB tasks table.
+
+Every status change is a conditional write, so a task only moves forward and a
+duplicate delivery can never overwrite a finished result. Batches of changes go
+through TransactWriteItems: one call per batch instead of one per task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
+from botocore.exceptions import ClientError
+
+from sluice.aws import client
+from sluice.contract import TaskRecord, TaskStatus
+from sluice.settings import Settings
+
+_ser = TypeSerializer()
+_de = TypeDeserializer()
+_TRANSACT_LIMIT = 100
+
+
+class TaskExists(Exception):
+    def __init__(self, existing: TaskRecord):
+        super().__init__(existing.task_id)
+        self.existing = existing
+
+
+class TransitionRejected(Exception):
+    """The task was not in a status that allows the requested change."""
+
+    def __init__(self, current: TaskRecord | None):
+        super().__init__(current.status.value if current else "missing")
+        self.current = current
+
+
+def to_item(record: TaskRecord) -> dict[str, Any]:
+    plain = record.model_dump(mode="json", exclude_none=True)
+    return {k: _ser.serialize(v) for k, v in plain.items()}
+
+
+def from_item(item: dict[str, Any]) -> TaskRecord:
+    plain = {k: _de.deserialize(v) for k, v in item.items()}
+    for k, v in plain.items():
+        if hasattr(v, "to_integral_value"):  # Decimal -> int; the record has no floats
+            plain[k] = int(v)
+    return TaskRecord.model_validate(plain)
+
+
+@dataclass
+class Change:
+    """One conditional update, as a TransactWriteItems entry."""
+
+    task_id: str
+    set_values: dict[str, Any]
+    allowed_from: tuple[TaskStatus, ...]
+    set_if_missing: dict[str, Any] = field(default_factory=dict)
+    add_attempt: bool = False
+    remove: tuple[str, ...] = ()
+    extra_condition: str | None = None
+    extra_values: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, table: str) -> dict[str, Any]:
+        names: dict[str, str] = {"#s": "status"}
+        values: dict[str, Any] = {}
+        sets = []
+        for i, (attr, value) in enumerate(self.set_values.items()):
+            names[f"#a{i}"] = attr
+            values[f":v{i}"] = _ser.serialize(value)
+            sets.append(f"#a{i} = :v{i}")
+        for i, (attr, value) in enumerate(self.set_if_missing.items()):
+            names[f"#m{i}"] = attr
+            values[f":m{i}"] = _ser.serialize(value)
+            sets.append(f"#m{i} = if_not_exists(#m{i}, :m{i})")
+        expr = "SET " + ", ".join(sets)
+        if self.add_attempt:
+            expr += " ADD attempts :one"
+            values[":one"] = {"N": "1"}
+        if self.remove:
+            for j, attr in enumerate(self.remove):
+                names[f"#r{j}"] = attr
+            expr += " REMOVE " + ", ".join(f"#r{j}" for j in range(len(self.remove)))
+        allowed = []
+        for k, status in enumerate(self.allowed_from):
+            values[f":from{k}"] = {"S": status.value}
+            allowed.append(f":from{k}")
+        condition = f"#s IN ({', '.join(allowed)})"
+        if self.extra_condition:
+            condition = f"({condition}) AND ({self.extra_condition})"
+            values.update({k: _ser.serialize(v) for k, v in self.extra_values.items()})
+        return {
+            "TableName": table,
+            "Key": {"task_id": {"S": self.task_id}},
+            "UpdateExpression": expr,
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
+        }
+
+
+class TaskStore:
+    def __init__(self, settings: Settings):
+        self.table = settings.tasks_table
+        self.ddb = client("dynamodb", settings)
+
+    def create(self, record: TaskRecord) -> None:
+        try:
+            self.ddb.put_item(
+                TableName=self.table,
+                Item=to_item(record),
+                ConditionExpression="attribute_not_exists(task_id)",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+        except ClientError as err:
+            if _code(err) == "ConditionalCheckFailedException":
+                old = err.response.get("Item") or self.ddb.get_item(
+                    TableName=self.table, Key=_key(record.task_id), ConsistentRead=True
+                ).get("Item")
+                raise TaskExists(from_item(old)) from None
+            raise
+
+    def create_many(self, records: list[TaskRecord]) -> None:
+        """All-or-nothing: either every record is written or none is."""
+        for chunk in _chunks(records, _TRANSACT_LIMIT):
+            self.ddb.transact_write_items(
+                TransactItems=[
+                    {
+                        "Put": {
+                            "TableName": self.table,
+                            "Item": to_item(r),
+                            "ConditionExpression": "attribute_not_exists(task_id)",
+                        }
+                    }
+                    for r in chunk
+                ]
+            )
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
+        return from_item(item) if item else None
+
+    def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
+        ids = list(dict.fromkeys(task_ids))
+        found: dict[str, TaskRecord] = {}
+        for chunk in _chunks(ids, 100):
+            request = {self.table: {"Keys": [_key(t) for t in chunk], "ConsistentRead": True}}
+            while request:
+                response = self.ddb.batch_get_item(RequestItems=request)
+                for item in response["Responses"].get(self.table, []):
+                    record = from_item(item)
+                    found[record.task_id] = record
+                request = response.get("UnprocessedKeys") or {}
+        return found
+
+    def delete_if_queued(self, task_id: str) -> None:
+        """Compensation when a submit could not enqueue its message."""
+        try:
+            self.ddb.delete_item(
+                TableName=self.table,
+                Key=_key(task_id),
+                ConditionExpression="#s = :q",
+                ExpressionAttributeNames={"#s": "status"},
+                ExpressionAttributeValues={":q": {"S": TaskStatus.queued.value}},
+            )
+        except ClientError as err:
+            if _code(err) != "ConditionalCheckFailedException":
+                raise
+
+    def apply(self, change: Change) -> TaskRecord:
+        """One conditional update; returns the new record or raises TransitionRejected."""
+        request = change.update(self.table)
+        request.pop("TableName")
+        try:
+            response = self.ddb.update_item(
+                TableName=self.table,
+                ReturnValues="ALL_NEW",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                **request,
+            )
+        except ClientError as err:
+            if _code(err) == "ConditionalCheckFailedException":
+                item = err.response.get("Item")
+                raise TransitionRejected(from_item(item) if item else self.get(change.task_id)) from None
+            raise
+        return from_item(response["Attributes"])
+
+    def apply_many(self, changes: list[Change]) -> set[str]:
+        """Apply conditional updates in transactions; returns the task ids whose
+        condition failed (those are left untouched, the rest are applied)."""
+        rejected: set[str] = set()
+        pending = list({c.task_id: c for c in changes}.values())
+        while pending:
+            chunk, pending = pending[:_TRANSACT_LIMIT], pending[_TRANSACT_LIMIT:]
+            while chunk:
+                try:
+                    self.ddb.transact_write_items(
+                        TransactItems=[{"Update": c.update(self.table)} for c in chunk]
+                    )
+                    break
+                except ClientError as err:
+                    if _code(err) != "TransactionCanceledException":
+                        raise
+                    reasons = err.response.get("CancellationReasons") or []
+                    failed = {
+                        c.task_id
+                        for c, r in zip(chunk, reasons)
+                        if r.get("Code") == "ConditionalCheckFailed"
+                    }
+                    if not failed:
+                        if any(r.get("Code") == "TransactionConflict" for r in reasons):
+                            continue  # a concurrent write touched one item: try again
+                        raise
+                    rejected |= failed
+                    chunk = [c for c in chunk if c.task_id not in failed]
+        return rejected
+
+
+def _key(task_id: str) -> dict[str, Any]:
+    return {"task_id": {"S": task_id}}
+
+
+def _code(err: ClientError) -> str:
+    return err.response.get("Error", {}).get("Code", "")
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

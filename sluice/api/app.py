@@ -1,0 +1,222 @@
+"""The FastAPI app. Routes stay thin: auth and parsing here, logic in service.py."""
+# No `from __future__ import annotations`: FastAPI must resolve the local
+# `Tenant` dependency annotation at definition time.
+
+import logging
+import threading
+import time
+from typing import Annotated
+
+from botocore.exceptions import BotoCoreError, ClientError
+from fastapi import Depends, FastAPI, Header, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from sluice import __version__
+from sluice.adapters.api_keys import ApiKeys
+from sluice.api.errors import ApiError, unavailable
+from sluice.api.service import TaskService
+from sluice.aws import client
+from sluice.contract import (
+    BatchAccepted,
+    BatchSubmitRequest,
+    ErrorDetail,
+    ErrorResponse,
+    ModelList,
+    Priority,
+    SubmitRequest,
+    TaskAccepted,
+    TaskView,
+)
+from sluice.settings import Settings
+
+log = logging.getLogger("sluice.api")
+
+_ERRORS = {
+    s: {"model": ErrorResponse}
+    for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+TaskId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=128,
+        description="Makes a retried submit return the task the first call created.",
+    ),
+]
+
+
+class TokenBucket:
+    """Per-key rate limit for the embedded/on-prem profiles (usage plans do it on AWS)."""
+
+    def __init__(self, rate_per_s: float, burst: int, max_keys: int = 10_000):
+        self.rate, self.burst, self.max_keys = rate_per_s, burst, max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """0 if allowed, else seconds until a token is available."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._buckets.get(key, (float(self.burst), now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens >= 1:
+                if len(self._buckets) >= self.max_keys and key not in self._buckets:
+                    self._buckets.clear()
+                self._buckets[key] = (tokens - 1, now)
+                return 0.0
+            self._buckets[key] = (tokens, now)
+            return (1 - tokens) / self.rate
+
+
+class BodyLimit:
+    """Refuse bodies over the limit before they are read into memory (413)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send):
+        err = ApiError(413, "payload_too_large", f"request body is over {self.max_bytes} bytes",
+                       [ErrorDetail(field="body", rule=f"at most {self.max_bytes} bytes")])
+        response = JSONResponse(err.body(), status_code=413)
+        await response({"type": "http"}, None, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    details = []
+    malformed = False
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if e.get("type") == "json_invalid":
+            malformed = True
+        details.append(ErrorDetail(field=".".join(loc) or "body", rule=f"{e.get('type')}: {e.get('msg')}"))
+    if malformed:
+        err = ApiError(400, "malformed_json", "the request body is not valid JSON", details)
+    else:
+        err = ApiError(422, "validation_error", "the request does not match the schema", details)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    service = TaskService(settings)
+    keys = ApiKeys(settings) if settings.auth_mode == "table" else None
+    limiter = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst) if settings.rate_limit_per_s > 0 else None
+
+    app = FastAPI(
+        title="Sluice",
+        version=__version__,
+        description="Asynchronous inference for PyTorch models. Authenticate with the `x-api-key` header.",
+        responses=_ERRORS,
+    )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc)
+
+    @app.exception_handler(BotoCoreError)
+    @app.exception_handler(ClientError)
+    async def _dependency(_: Request, exc: Exception):
+        # Never a stack trace to the client: the cause goes to the log only.
+        log.warning("dependency call failed: %s", type(exc).__name__)
+        err = unavailable("a dependency")
+        return JSONResponse(err.body(), status_code=503, headers=err.headers)
+
+    def tenant(request: Request, x_api_key: Annotated[str | None, Header(alias="x-api-key")] = None) -> str:
+        if settings.auth_mode == "apigateway":
+            event = request.scope.get("aws.event") or {}
+            key_id = (event.get("requestContext") or {}).get("identity", {}).get("apiKeyId")
+            if not key_id:
+                raise ApiError(401, "unauthenticated", "missing API key")
+            return key_id
+        if not x_api_key:
+            raise ApiError(401, "unauthenticated", "missing x-api-key header")
+        record = keys.authenticate(x_api_key)
+        if record is None:
+            raise ApiError(403, "forbidden", "unknown or revoked API key")
+        if limiter:
+            wait = limiter.take(record.key_id)
+            if wait:
+                raise ApiError(429, "rate_limited", "too many requests for this key",
+                               headers={"Retry-After": str(max(1, round(wait + 0.5)))})
+        return record.tenant_id
+
+    Tenant = Annotated[str, Depends(tenant)]
+
+    @app.get("/health", tags=["ops"])
+    def health() -> dict:
+        """Liveness: the process answers. Touches no dependency."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["ops"])
+    def ready() -> JSONResponse:
+        """Readiness: the table, the queues and the bucket answer."""
+        checks = {}
+        for name, probe in (
+            ("tasks_table", lambda: client("dynamodb", settings).describe_table(TableName=settings.tasks_table)),
+            ("queues", lambda: [service.queues.url(p) for p in Priority]),
+            ("bucket", lambda: client("s3", settings).head_bucket(Bucket=settings.bucket)),
+        ):
+            try:
+                probe()
+                checks[name] = "ok"
+            except Exception as exc:
+                checks[name] = type(exc).__name__
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["models"])
+    def list_models(_: Tenant) -> ModelList:
+        return ModelList(models=service.list_models())
+
+    @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"])
+    def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None) -> TaskAccepted:
+        return service.submit(tenant_id, body, idempotency_key)
+
+    @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"])
+    def submit_batch(
+        body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None
+    ) -> BatchAccepted:
+        return service.submit_batch(tenant_id, body, idempotency_key)
+
+    @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
+    def get_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
+        return service.get(tenant_id, task_id)
+
+    @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
+    def cancel_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
+        return service.cancel(tenant_id, task_id)
+
+    return app

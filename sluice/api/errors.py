@@ -1,0 +1,38 @@
+"""Errors the API turns into clear 4xx/5xx bodies (contract.ErrorResponse)."""
+
+from __future__ import annotations
+
+from sluice.contract import ErrorBody, ErrorDetail, ErrorResponse
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: list[ErrorDetail] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details or []
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorBody(code=self.code, message=self.message, details=self.details)).model_dump()
+
+
+def not_found(task_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no task {task_id}")
+
+
+def unavailable(what: str, retry_after_s: int = 5) -> ApiError:
+    return ApiError(
+        503,
+        "dependency_unavailable",
+        f"{what} is unavailable; nothing was recorded, retry later",
+        headers={"Retry-After": str(retry_after_s)},
+    )

@@ -1,0 +1,43 @@
+"""boto3 clients with one retry policy.
+
+No endpoint is passed here on purpose: boto3 resolves ``AWS_ENDPOINT_URL`` and
+``AWS_ENDPOINT_URL_<SERVICE>`` itself, which is how LocalStack, MinIO/SeaweedFS
+and the embedded moto server are reached by the very same code.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import boto3
+from botocore.config import Config
+
+from sluice.settings import Settings
+
+_lock = threading.Lock()
+_clients: dict[tuple[str, str], object] = {}
+
+
+def client_config(settings: Settings) -> Config:
+    custom_s3_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return Config(
+        region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or settings.region,
+        retries={"mode": "standard", "max_attempts": 3},
+        connect_timeout=2,
+        read_timeout=25,  # must exceed the SQS long-poll wait
+        max_pool_connections=32,
+        # SigV4 everywhere: presigned S3 URLs must work on MinIO/SeaweedFS too.
+        signature_version="s3v4",
+        # Emulators serve buckets by path, not by virtual host.
+        s3={"addressing_style": "path"} if custom_s3_endpoint else {},
+    )
+
+
+def client(service: str, settings: Settings):
+    """A shared, thread-safe client per (service, process)."""
+    key = (service, str(os.getpid()))
+    with _lock:
+        if key not in _clients:
+            _clients[key] = boto3.session.Session().client(service, config=client_config(settings))
+        return _clients[key]

@@ -1,0 +1,76 @@
+"""Create the queues, tables and bucket if they are missing (embedded and on-prem
+profiles; on AWS the CDK stack owns them). Safe to run any number of times."""
+
+from __future__ import annotations
+
+import json
+
+from botocore.exceptions import ClientError
+
+from sluice.aws import client
+from sluice.contract import Priority
+from sluice.settings import Settings
+
+MAX_RECEIVE_COUNT = 3
+
+
+def ensure_resources(settings: Settings) -> dict[str, str]:
+    urls = ensure_queues(settings)
+    ensure_tables(settings)
+    ensure_bucket(settings)
+    return urls
+
+
+def ensure_queues(settings: Settings) -> dict[str, str]:
+    sqs = client("sqs", settings)
+    urls: dict[str, str] = {}
+    for priority in Priority:
+        dlq_url = sqs.create_queue(
+            QueueName=settings.queue_name(priority, dlq=True),
+            Attributes={"MessageRetentionPeriod": str(14 * 24 * 3600)},
+        )["QueueUrl"]
+        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        url = sqs.create_queue(
+            QueueName=settings.queue_name(priority),
+            Attributes={
+                "VisibilityTimeout": str(settings.visibility_timeout_s),
+                "RedrivePolicy": json.dumps(
+                    {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(MAX_RECEIVE_COUNT)}
+                ),
+            },
+        )["QueueUrl"]
+        urls[priority.value] = url
+        urls[f"{priority.value}-dlq"] = dlq_url
+    return urls
+
+
+def ensure_tables(settings: Settings) -> None:
+    ddb = client("dynamodb", settings)
+    for table, key in ((settings.tasks_table, "task_id"), (settings.keys_table, "key_hash")):
+        try:
+            ddb.create_table(
+                TableName=table,
+                AttributeDefinitions=[{"AttributeName": key, "AttributeType": "S"}],
+                KeySchema=[{"AttributeName": key, "KeyType": "HASH"}],
+                BillingMode="PAY_PER_REQUEST",
+            )
+            ddb.get_waiter("table_exists").wait(TableName=table, WaiterConfig={"Delay": 0.2, "MaxAttempts": 50})
+        except ClientError as err:
+            if err.response["Error"]["Code"] != "ResourceInUseException":
+                raise
+    try:
+        ddb.update_time_to_live(
+            TableName=settings.tasks_table,
+            TimeToLiveSpecification={"Enabled": True, "AttributeName": "expires_at"},
+        )
+    except ClientError as err:
+        if "already enabled" not in str(err).lower():
+            raise
+
+
+def ensure_bucket(settings: Settings) -> None:
+    s3 = client("s3", settings)
+    try:
+        s3.head_bucket(Bucket=settings.bucket)
+    except ClientError:
+        s3.create_bucket(Bucket=settings.bucket)

@@ -1,0 +1,176 @@
+"""`sluice`: operator and client commands.
+
+Against the embedded profile (`make run`) it finds the emulator and the demo
+key in .sluice/embedded.json; elsewhere it uses the standard AWS variables and
+SLUICE_URL / SLUICE_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+STATE_FILE = Path(os.environ.get("SLUICE_STATE_DIR", ".sluice")) / "embedded.json"
+
+
+def _state() -> dict:
+    try:
+        return json.loads(STATE_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _use_embedded_endpoints() -> None:
+    """Point boto3 at the running embedded emulator unless endpoints are already set."""
+    if not any(k.startswith("AWS_ENDPOINT_URL") for k in os.environ):
+        for k, v in _state().get("env", {}).items():
+            os.environ.setdefault(k, v)
+
+
+def _settings():
+    from sluice.settings import Settings
+
+    _use_embedded_endpoints()
+    return Settings()
+
+
+# -------------------------------------------------------------------- HTTP
+def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict]:
+    url = (getattr(args, "url", None) or os.environ.get("SLUICE_URL") or _state().get("url") or "http://127.0.0.1:8000")
+    key = getattr(args, "api_key", None) or os.environ.get("SLUICE_API_KEY") or _state().get("api_key")
+    request = urllib.request.Request(
+        url.rstrip("/") + path,
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"content-type": "application/json", **({"x-api-key": key} if key else {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def _print(status: int, payload: dict) -> int:
+    print(json.dumps(payload, indent=2))
+    return 0 if status < 400 else 1
+
+
+def cmd_submit(args) -> int:
+    body = {"model": args.model, "inputs": args.inputs, "priority": args.priority}
+    if args.deadline:
+        body["deadline_s"] = args.deadline
+    status, payload = _http("POST", "/v1/tasks", body, args)
+    if status >= 400 or not args.wait:
+        return _print(status, payload)
+    task_id = payload["task_id"]
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        status, payload = _http("GET", f"/v1/tasks/{task_id}", None, args)
+        if status >= 400 or payload.get("status") not in ("queued", "running"):
+            return _print(status, payload)
+        time.sleep(0.1)
+    print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
+    return 2
+
+
+def cmd_get(args) -> int:
+    return _print(*_http("GET", f"/v1/tasks/{args.task_id}", None, args))
+
+
+def cmd_cancel(args) -> int:
+    return _print(*_http("DELETE", f"/v1/tasks/{args.task_id}", None, args))
+
+
+# -------------------------------------------------------------- operators
+def cmd_keys_create(args) -> int:
+    from sluice.adapters.api_keys import ApiKeys
+
+    key, record = ApiKeys(_settings()).create(args.tenant)
+    print(f"created key {record.key_id} for tenant {record.tenant_id}: {key}")
+    return 0
+
+
+def cmd_keys_revoke(args) -> int:
+    from sluice.adapters.api_keys import ApiKeys
+
+    ApiKeys(_settings()).revoke(args.key)
+    print("revoked")
+    return 0
+
+
+def cmd_bootstrap(_args) -> int:
+    from sluice.bootstrap import ensure_resources
+
+    print(json.dumps(ensure_resources(_settings()), indent=2))
+    return 0
+
+
+def cmd_dlq(args) -> int:
+    from sluice.adapters.queues import PriorityQueues
+    from sluice.contract import Priority
+    from sluice.dlq import list_dead, redrive
+
+    queues = PriorityQueues(_settings())
+    priorities = [Priority(args.priority)] if args.priority else list(Priority)
+    if args.action == "list":
+        for item in list_dead(queues, priorities, limit=args.limit):
+            print(json.dumps(item))
+        return 0
+    moved = redrive(queues, priorities, limit=args.limit)
+    print(f"redrove {moved} messages")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice client and operator commands.")
+    parser.add_argument("--url", help="API base URL (default: SLUICE_URL, or the running `make run`)")
+    parser.add_argument("--api-key", help="API key (default: SLUICE_API_KEY, or the demo key of `make run`)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="submit one task")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--model", default="minilm-embed")
+    p.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
+    p.add_argument("--deadline", type=int, help="seconds")
+    p.add_argument("--wait", action="store_true", help="poll until the task is final")
+    p.add_argument("--timeout", type=float, default=60)
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("get", help="show a task")
+    p.add_argument("task_id")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("cancel", help="cancel a queued task")
+    p.add_argument("task_id")
+    p.set_defaults(func=cmd_cancel)
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("create", help="create a key; prints it as the last word")
+    p.add_argument("--tenant", required=True)
+    p.set_defaults(func=cmd_keys_create)
+    p = keys.add_parser("revoke")
+    p.add_argument("key")
+    p.set_defaults(func=cmd_keys_revoke)
+
+    p = sub.add_parser("bootstrap", help="create queues, tables and bucket if missing")
+    p.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser("dlq", help="list or redrive dead-letter messages")
+    p.add_argument("action", choices=["list", "redrive"])
+    p.add_argument("--priority", choices=["high", "normal", "low"])
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_dlq)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

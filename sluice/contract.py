@@ -1,0 +1,263 @@
+"""The one contract: API bodies, queue messages and stored task records.
+
+The OpenAPI schema, the SQS message body and the DynamoDB item are all produced
+from the models in this module, so the three can never drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+SCHEMA_VERSION = 1
+
+# Limits that are part of the contract (the API rejects anything beyond them).
+MAX_INPUTS_PER_TASK = 64
+MAX_INPUT_CHARS = 8192
+MAX_TASKS_PER_BATCH = 100
+MAX_DEADLINE_S = 7 * 24 * 3600
+MAX_METADATA_KEYS = 16
+
+ModelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+InputText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_INPUT_CHARS)]
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=256)]
+
+
+class Priority(str, enum.Enum):
+    high = "high"
+    normal = "normal"
+    low = "low"
+
+
+class TaskStatus(str, enum.Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+    expired = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {TaskStatus.succeeded, TaskStatus.failed, TaskStatus.cancelled, TaskStatus.expired}
+)
+
+# Every legal move of a task. running -> running is a redelivery (a new attempt);
+# nothing ever leaves a terminal status.
+ALLOWED_TRANSITIONS: dict[TaskStatus, frozenset[TaskStatus]] = {
+    TaskStatus.queued: frozenset(
+        {TaskStatus.running, TaskStatus.cancelled, TaskStatus.expired, TaskStatus.failed}
+    ),
+    TaskStatus.running: frozenset(
+        {TaskStatus.running, TaskStatus.succeeded, TaskStatus.failed, TaskStatus.expired}
+    ),
+    TaskStatus.succeeded: frozenset(),
+    TaskStatus.failed: frozenset(),
+    TaskStatus.cancelled: frozenset(),
+    TaskStatus.expired: frozenset(),
+}
+
+
+def can_transition(current: TaskStatus, target: TaskStatus) -> bool:
+    return target in ALLOWED_TRANSITIONS[current]
+
+
+def new_task_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+
+# ---------------------------------------------------------------- API bodies
+
+
+class SubmitRequest(_Strict):
+    """What a client posts to create one task."""
+
+    model: ModelName = Field(description="Name of a model from GET /v1/models.")
+    inputs: list[InputText] = Field(
+        min_length=1,
+        max_length=MAX_INPUTS_PER_TASK,
+        description="Texts to run through the model; results come back in the same order.",
+    )
+    priority: Priority = Priority.normal
+    deadline_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_DEADLINE_S,
+        description="Seconds from now after which the task is no longer worth running.",
+    )
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        default=None, max_length=MAX_METADATA_KEYS
+    )
+
+
+class BatchSubmitRequest(_Strict):
+    tasks: list[SubmitRequest] = Field(min_length=1, max_length=MAX_TASKS_PER_BATCH)
+
+
+class TaskAccepted(BaseModel):
+    task_id: str
+    status: TaskStatus
+    priority: Priority
+    queue_position: int = Field(description="Approximate number of tasks ahead in this priority.")
+    estimated_wait_s: float
+
+
+class BatchAccepted(BaseModel):
+    tasks: list[TaskAccepted]
+
+
+class TaskTimings(BaseModel):
+    created_at: int = Field(description="Unix epoch milliseconds.")
+    started_at: int | None = None
+    finished_at: int | None = None
+    queue_ms: int | None = None
+    inference_ms: int | None = None
+
+
+class TaskError(BaseModel):
+    code: str
+    message: str
+
+
+class TaskView(BaseModel):
+    """What GET /v1/tasks/{task_id} returns."""
+
+    task_id: str
+    status: TaskStatus
+    priority: Priority
+    model: str
+    model_version: str | None = None
+    result: Any | None = Field(default=None, description="Inline result when it is small.")
+    result_url: str | None = Field(default=None, description="Presigned URL of a large result.")
+    error: TaskError | None = None
+    timings: TaskTimings
+    batch_size: int | None = None
+    attempts: int = 0
+    metadata: dict[str, str] | None = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    version: str
+    max_batch_size: int
+    description: str
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]
+
+
+class ErrorDetail(BaseModel):
+    field: str
+    rule: str
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    details: list[ErrorDetail] = []
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# ------------------------------------------------------------ queue and store
+
+
+class TaskMessage(_Strict):
+    """The SQS message body. Inputs travel inline, or by reference when large."""
+
+    v: int = SCHEMA_VERSION
+    task_id: str
+    tenant_id: str
+    model: str
+    priority: Priority
+    input_count: int = Field(ge=1, description="Lets the batcher pack without fetching the inputs.")
+    inputs: list[str] | None = None
+    inputs_key: str | None = Field(default=None, description="S3 key of the inputs (claim check).")
+    deadline_at: int | None = None
+    enqueued_at: int
+
+
+class TaskRecord(BaseModel):
+    """One item of the tasks table."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task_id: str
+    tenant_id: str
+    model: str
+    model_version: str | None = None
+    priority: Priority
+    status: TaskStatus
+    input_count: int
+    request_hash: str | None = None
+    created_at: int
+    deadline_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    inference_ms: int | None = None
+    batch_size: int | None = None
+    attempts: int = 0
+    result_json: str | None = None
+    result_key: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    metadata: dict[str, str] | None = None
+    expires_at: int | None = Field(default=None, description="DynamoDB TTL, epoch seconds.")
+
+    def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
+        queue_ms = self.started_at - self.created_at if self.started_at else None
+        error = (
+            TaskError(code=self.error_code, message=self.error_message or "")
+            if self.error_code
+            else None
+        )
+        return TaskView(
+            task_id=self.task_id,
+            status=self.status,
+            priority=self.priority,
+            model=self.model,
+            model_version=self.model_version,
+            result=result,
+            result_url=result_url,
+            error=error,
+            timings=TaskTimings(
+                created_at=self.created_at,
+                started_at=self.started_at,
+                finished_at=self.finished_at,
+                queue_ms=queue_ms,
+                inference_ms=self.inference_ms,
+            ),
+            batch_size=self.batch_size,
+            attempts=self.attempts,
+            metadata=self.metadata,
+        )
+
+
+class ApiKeyRecord(BaseModel):
+    """One item of the API keys table; the key itself is never stored, only its hash."""
+
+    key_hash: str
+    tenant_id: str
+    key_id: str
+    created_at: int
+    revoked: bool = False

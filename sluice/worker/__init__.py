@@ -1,0 +1,1 @@
+"""The worker engine: priority receive, dynamic batching, the runner."""

@@ -1,0 +1,163 @@
+"""The worker process: receivers -> prefetch buffer -> batch pipeline.
+
+On SIGTERM it stops receiving, finishes the batches in hand, hands back the
+messages it had prefetched (visibility 0) and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from sluice.adapters.queues import PriorityQueues, Received
+from sluice.contract import Priority
+from sluice.settings import Settings
+from sluice.worker.batcher import PrefetchBuffer
+from sluice.worker.metrics import WorkerMetrics
+from sluice.worker.policy import WeightedPriorityPolicy
+from sluice.worker.runner import BatchRunner, Pipeline
+
+log = logging.getLogger("sluice.worker")
+
+
+class Worker:
+    def __init__(self, settings: Settings, models: dict):
+        self.settings = settings
+        self.queues = PriorityQueues(settings)
+        self.policy = WeightedPriorityPolicy(settings.weights())
+        # Prefetch about one batch per priority: enough to keep the model busy,
+        # little enough that a flood of `low` cannot crowd out a later `high`.
+        self.buffer = PrefetchBuffer(capacity_per_priority=max(10, settings.max_batch_size))
+        self.metrics = WorkerMetrics()
+        self.runner = BatchRunner(settings, models, self.metrics)
+        self.stopping = threading.Event()
+        self._done = threading.Event()
+        self._held: dict[str, Received] = {}
+        self._held_lock = threading.Lock()
+        self.pipeline = Pipeline(self.runner, self._take_batch, self._release)
+
+    # ----------------------------------------------------------- receiving
+    def _receive_loop(self, priority: Priority) -> None:
+        backoff = 0.2
+        while not self.stopping.is_set():
+            room = self.buffer.room(priority)
+            if room <= 0:
+                self.buffer.wait_for_room(priority, 0.5)
+                continue
+            try:
+                messages = self.queues.receive(
+                    priority, room, self.settings.receive_wait_s, self.settings.visibility_timeout_s
+                )
+                backoff = 0.2
+            except Exception as exc:
+                log.warning("receive from %s failed (%s); retrying in %.1fs", priority.value, exc, backoff)
+                self.stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            with self._held_lock:
+                for m in messages:
+                    self._held[m.receipt_handle] = m
+            if self.stopping.is_set():
+                self._give_back(messages)
+                return
+            self.buffer.put(messages)
+
+    def _take_batch(self) -> list[Received]:
+        if self.stopping.is_set():
+            self.pipeline.stopping.set()
+            return []
+        return self.buffer.take_batch(
+            self.policy,
+            max_inputs=self.settings.max_batch_size,
+            max_wait_s=self.settings.max_wait_ms / 1000,
+            idle_wait_s=0.5,
+        )
+
+    def _release(self, messages: list[Received]) -> None:
+        with self._held_lock:
+            for m in messages:
+                self._held.pop(m.receipt_handle, None)
+
+    def _give_back(self, messages: list[Received]) -> None:
+        if not messages:
+            return
+        try:
+            self.queues.change_visibility_many(messages, 0)
+        except Exception as exc:  # they come back after their visibility timeout anyway
+            log.warning("could not hand back %d messages: %s", len(messages), exc)
+        self._release(messages)
+
+    # ----------------------------------------------------------- heartbeat
+    def _heartbeat_loop(self) -> None:
+        """Keep every held message invisible while it waits or runs."""
+        period = max(1.0, self.settings.visibility_timeout_s / 3)
+        while not self._done.wait(period):
+            with self._held_lock:
+                held = [m for m in self._held.values() if time.monotonic() - m.received_at >= period]
+            if held:
+                try:
+                    self.queues.change_visibility_many(held, self.settings.visibility_timeout_s)
+                except Exception as exc:
+                    log.warning("visibility extension failed: %s", exc)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        receivers = [
+            threading.Thread(target=self._receive_loop, args=(p,), name=f"sluice-recv-{p.value}", daemon=True)
+            for p in Priority
+        ]
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="sluice-heartbeat", daemon=True)
+        for t in receivers:
+            t.start()
+        heartbeat.start()
+        log.info("worker ready", extra={"pid": os.getpid(), "models": list(self.runner.models)})
+        self.pipeline.run()  # returns once stopping is set and the batches in hand are done
+        for t in receivers:
+            t.join(timeout=self.settings.receive_wait_s + 5)
+        self._give_back(self.buffer.close())
+        self._done.set()
+        self.metrics.flush()
+        return 0
+
+    def stop(self, *_):
+        if not self.stopping.is_set():
+            log.info("stopping: finishing the batch in hand")
+            self.stopping.set()
+            self.pipeline.stopping.set()
+
+
+def load_models(settings: Settings) -> dict:
+    from models.registry import build
+
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    models = {}
+    for name in settings.model_names():
+        model = build(name)
+        model.load()
+        models[name] = model
+    return models
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s worker[%(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    settings = Settings()
+    worker = Worker(settings, load_models(settings))
+    signal.signal(signal.SIGTERM, worker.stop)
+    signal.signal(signal.SIGINT, worker.stop)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

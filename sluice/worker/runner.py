@@ -1,0 +1,327 @@
+"""Runs batches: claim the tasks, run the model, record outcomes, ack messages.
+
+A batch passes three stages, each on its own thread, so that the table and
+queue calls of one batch overlap the model's forward pass of the next:
+
+    prepare (BatchGetItem, one transaction to mark tasks running, S3 claim checks)
+      -> infer (the model, on the main thread)
+      -> finish (S3 for large results, one transaction for outcomes, DeleteMessageBatch)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from sluice.adapters.payload_store import PayloadStore
+from sluice.adapters.queues import PriorityQueues, Received
+from sluice.adapters.task_store import Change, TaskStore
+from sluice.contract import TaskMessage, TaskRecord, TaskStatus, now_ms
+from sluice.settings import Settings
+
+log = logging.getLogger("sluice.worker")
+
+_ACTIVE = (TaskStatus.queued, TaskStatus.running)
+
+
+@dataclass
+class Job:
+    """One task of a batch, with every delivery of it that the batch holds."""
+
+    message: TaskMessage
+    deliveries: list[Received]
+    inputs: list[str] = field(default_factory=list)
+
+    @property
+    def attempts(self) -> int:
+        return max(d.receive_count for d in self.deliveries)
+
+
+@dataclass
+class Outcome:
+    job: Job
+    result: Any = None
+    error: str | None = None
+    inference_ms: int = 0
+    batch_size: int = 0
+    model_version: str | None = None
+
+
+@dataclass
+class Prepared:
+    jobs: list[Job]
+    ack: list[Received]  # messages to delete whatever happens to the batch
+
+
+class BatchRunner:
+    def __init__(self, settings: Settings, models: dict[str, Any], metrics=None):
+        self.settings = settings
+        self.models = models
+        self.store = TaskStore(settings)
+        self.payloads = PayloadStore(settings)
+        self.queues = PriorityQueues(settings)
+        self.metrics = metrics
+        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluice-io")
+
+    # ------------------------------------------------------------- prepare
+    def prepare(self, batch: list[Received]) -> Prepared:
+        ack: list[Received] = []
+        jobs: dict[str, Job] = {}
+        for received in batch:
+            try:
+                message = received.task()
+            except ValidationError:
+                log.error("dropping a message that is not a task", extra={"message_id": received.message_id})
+                ack.append(received)
+                continue
+            if message.task_id in jobs:  # the same task delivered twice into one batch
+                jobs[message.task_id].deliveries.append(received)
+            else:
+                jobs[message.task_id] = Job(message, [received])
+
+        records = self.store.get_many(jobs) if jobs else {}
+        now = now_ms()
+        changes: list[Change] = []
+        runnable: list[Job] = []
+        for task_id, job in jobs.items():
+            record = records.get(task_id)
+            if record is None or record.status.is_terminal:
+                # No record: its submit was rolled back. Terminal: a duplicate or
+                # a cancelled task. Either way there is nothing to run.
+                ack += job.deliveries
+            elif job.message.deadline_at is not None and job.message.deadline_at <= now:
+                changes.append(
+                    Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _ACTIVE)
+                )
+                ack += job.deliveries
+            else:
+                changes.append(
+                    Change(
+                        task_id,
+                        {
+                            "status": TaskStatus.running.value,
+                            "model_version": self._version(job.message.model),
+                        },
+                        _ACTIVE,
+                        set_if_missing={"started_at": now},
+                        add_attempt=True,
+                    )
+                )
+                runnable.append(job)
+        rejected = self.store.apply_many(changes) if changes else set()
+        if rejected:
+            # Lost a race (most often a cancel); the message goes once the task is final.
+            fresh = self.store.get_many(rejected)
+            for job in [j for j in runnable if j.message.task_id in rejected]:
+                runnable.remove(job)
+                current = fresh.get(job.message.task_id)
+                if current is None or current.status.is_terminal:
+                    ack += job.deliveries
+        self._load_inputs(runnable)
+        return Prepared(runnable, ack)
+
+    def _version(self, model_name: str) -> str | None:
+        model = self.models.get(model_name)
+        return getattr(model, "version", None)
+
+    def _load_inputs(self, jobs: list[Job]) -> None:
+        def load(job: Job) -> None:
+            if job.message.inputs is not None:
+                job.inputs = job.message.inputs
+            else:
+                job.inputs = self.payloads.get_json(job.message.inputs_key)
+
+        list(self.io.map(load, jobs))
+
+    # --------------------------------------------------------------- infer
+    def infer(self, jobs: list[Job]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        by_model: dict[str, list[Job]] = {}
+        for job in jobs:
+            by_model.setdefault(job.message.model, []).append(job)
+        for name, group in by_model.items():
+            model = self.models.get(name)
+            if model is None:
+                outcomes += [Outcome(j, error=f"model {name!r} is not served by this worker") for j in group]
+                continue
+            outcomes += self._run_isolating(model, group)
+        return outcomes
+
+    def _run_isolating(self, model, jobs: list[Job]) -> list[Outcome]:
+        """Run jobs together; if the model raises, split the batch in halves
+        until the failing task stands alone, so healthy tasks still succeed."""
+        try:
+            return self._run(model, jobs)
+        except Exception as exc:  # the model's failure is data here, not a crash
+            if len(jobs) == 1:
+                return [Outcome(jobs[0], error=f"{type(exc).__name__}: {exc}", model_version=model.version)]
+            middle = len(jobs) // 2
+            return self._run_isolating(model, jobs[:middle]) + self._run_isolating(model, jobs[middle:])
+
+    def _run(self, model, jobs: list[Job]) -> list[Outcome]:
+        flat = [text for job in jobs for text in job.inputs]
+        limit = min(self.settings.max_batch_size, model.max_batch_size)
+        started = time.perf_counter()
+        outputs: list[Any] = []
+        for i in range(0, len(flat), limit):
+            outputs += model.predict_batch(flat[i : i + limit])
+        elapsed_ms = int((time.perf_counter() - started) * 1000)
+        if len(outputs) != len(flat):
+            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(flat)} inputs")
+        outcomes, offset = [], 0
+        for job in jobs:
+            n = len(job.inputs)
+            outcomes.append(
+                Outcome(
+                    job,
+                    result=model.result_for_task(outputs[offset : offset + n]),
+                    inference_ms=elapsed_ms,
+                    batch_size=len(flat),
+                    model_version=model.version,
+                )
+            )
+            offset += n
+        if self.metrics:
+            self.metrics.record_batch(len(flat), elapsed_ms)
+        return outcomes
+
+    # -------------------------------------------------------------- finish
+    def finish(self, prepared: Prepared, outcomes: list[Outcome]) -> None:
+        now = now_ms()
+        changes: list[Change] = []
+        done: list[Received] = list(prepared.ack)
+        retry: list[Received] = []
+        to_dlq: list[Received] = []
+        uploads: list[tuple[str, bytes]] = []
+        for o in outcomes:
+            tid = o.job.message.task_id
+            if o.error is None:
+                values: dict[str, Any] = {
+                    "status": TaskStatus.succeeded.value,
+                    "finished_at": now,
+                    "inference_ms": o.inference_ms,
+                    "batch_size": o.batch_size,
+                }
+                body = json.dumps(o.result, separators=(",", ":"))
+                if len(body) > self.settings.inline_result_max_bytes:
+                    key = self.payloads.result_key(o.job.message.tenant_id, tid)
+                    uploads.append((key, body.encode()))
+                    values["result_key"] = key
+                else:
+                    values["result_json"] = body
+                changes.append(Change(tid, values, (TaskStatus.running,), remove=("error_code", "error_message")))
+                done += o.job.deliveries
+            elif o.job.attempts >= self.settings.max_attempts:
+                changes.append(
+                    Change(
+                        tid,
+                        {
+                            "status": TaskStatus.failed.value,
+                            "finished_at": now,
+                            "error_code": "model_error",
+                            "error_message": o.error[:1000],
+                        },
+                        (TaskStatus.running,),
+                    )
+                )
+                # Not deleted: its next receive moves it to the dead-letter queue.
+                to_dlq += o.job.deliveries
+            else:
+                changes.append(
+                    Change(
+                        tid,
+                        {"error_code": "model_error", "error_message": o.error[:1000]},
+                        (TaskStatus.running,),
+                    )
+                )
+                retry += o.job.deliveries
+        list(self.io.map(lambda kv: self.payloads.put_json(*kv), uploads))
+        if changes:
+            # A rejected outcome means another delivery already finished the
+            # task: its result stands and this message is simply acknowledged.
+            self.store.apply_many(changes)
+        if done:
+            self.queues.delete_many(done)
+        if to_dlq:
+            self.queues.change_visibility_many(to_dlq, 0)
+        if retry:
+            self.queues.change_visibility_many(retry, min(30, 2 ** max(o.job.attempts for o in outcomes if o.error)))
+        if self.metrics:
+            self.metrics.record_outcomes(outcomes, now)
+
+
+class Pipeline:
+    """Runs prepare -> infer -> finish with bounded hand-offs between stages."""
+
+    def __init__(self, runner: BatchRunner, take_batch, on_done):
+        self.runner = runner
+        self.take_batch = take_batch
+        self.on_done = on_done  # receives the messages a batch no longer holds
+        self._prepared: queue.Queue = queue.Queue(maxsize=1)
+        self._finished: queue.Queue = queue.Queue(maxsize=2)
+        self.stopping = threading.Event()
+        self.failures = 0
+
+    def run(self) -> None:
+        preparer = threading.Thread(target=self._prepare_loop, name="sluice-prepare", daemon=True)
+        finisher = threading.Thread(target=self._finish_loop, name="sluice-finish", daemon=True)
+        preparer.start()
+        finisher.start()
+        while True:
+            item = self._prepared.get()
+            if item is None:
+                break
+            batch, prepared = item
+            try:
+                outcomes = self.runner.infer(prepared.jobs)
+            except Exception:
+                log.exception("inference stage failed; messages will be redelivered")
+                self.on_done(batch)
+                continue
+            self._finished.put((batch, prepared, outcomes))
+        self._finished.put(None)
+        finisher.join()
+        preparer.join()
+
+    def _prepare_loop(self) -> None:
+        backoff = 0.1
+        while not self.stopping.is_set():
+            batch = self.take_batch()
+            if not batch:
+                continue
+            try:
+                prepared = self.runner.prepare(batch)
+                backoff = 0.1
+            except Exception:
+                # A dependency is down: the messages come back after their
+                # visibility timeout; back off rather than spin.
+                log.exception("prepare failed; backing off %.1fs", backoff)
+                self.failures += 1
+                self.on_done(batch)
+                self.stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            self._prepared.put((batch, prepared))
+        self._prepared.put(None)
+
+    def _finish_loop(self) -> None:
+        while True:
+            item = self._finished.get()
+            if item is None:
+                return
+            batch, prepared, outcomes = item
+            try:
+                self.runner.finish(prepared, outcomes)
+            except Exception:
+                log.exception("finish failed; messages will be redelivered")
+                self.failures += 1
+            finally:
+                self.on_done(batch)
