@@ -1,0 +1,182 @@
+"""SageMaker serving entrypoint: the worker image started as `docker run IMAGE serve`.
+
+SageMaker's container contract: GET /ping answers 200 once the model is ready,
+POST /invocations runs one request, both on port 8080. A request carries a batch
+of inputs, run through the model in chunks of its max_batch_size; the result has
+the same shape as an async task's result, so clients read both the same way.
+
+Standard-library HTTP on purpose: the worker image has torch but no web framework.
+The server is threaded so /ping keeps answering while a long batch runs; the
+model itself runs one batch at a time behind a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from models.base import ModelInputError
+from models.registry import build
+from sluice.contract import MAX_INPUT_CHARS
+from sluice.settings import Settings
+
+log = logging.getLogger("sluice.sagemaker")
+
+JSON = "application/json"
+
+
+class RequestError(Exception):
+    def __init__(self, status: HTTPStatus, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Endpoint:
+    """Loaded models and the logic of one invocation, free of HTTP."""
+
+    def __init__(self, models: dict, default_model: str, max_payload_bytes: int = 6 * 2**20):
+        self.models = models
+        self.default_model = default_model
+        self.max_payload_bytes = max_payload_bytes
+        self._locks = {name: threading.Lock() for name in models}
+
+    def invoke(self, body: bytes, content_type: str | None) -> dict:
+        if content_type and content_type.split(";")[0].strip().lower() not in (JSON, "application/x-json"):
+            raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type",
+                               f"send {JSON}, not {content_type}")
+        try:
+            request = json.loads(body)
+        except ValueError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "malformed_json", "the request body is not valid JSON") from None
+        # A bare list is the batch itself; an object names the model too.
+        if isinstance(request, list):
+            request = {"inputs": request}
+        if not isinstance(request, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", 'send {"inputs": [...]} or a JSON list')
+        name = request.get("model") or self.default_model
+        model = self.models.get(name)
+        if model is None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "unknown_model",
+                               f"unknown model {name!r}; served: {', '.join(sorted(self.models))}")
+        inputs = request.get("inputs")
+        if not isinstance(inputs, list) or not inputs:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "inputs must be a non-empty list")
+        for i, text in enumerate(inputs):
+            if not isinstance(text, str) or not 1 <= len(text) <= MAX_INPUT_CHARS:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
+                                   f"inputs[{i}] must be a string of 1 to {MAX_INPUT_CHARS} characters")
+        outputs: list = []
+        try:
+            with self._locks[name]:
+                for start in range(0, len(inputs), model.max_batch_size):
+                    outputs += model.predict_batch(inputs[start : start + model.max_batch_size])
+        except ModelInputError as exc:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
+        return {"model": name, "model_version": model.version, "result": model.result_for_task(outputs)}
+
+
+def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        # Keep-alive: SageMaker reuses connections to the container.
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if self.path.split("?")[0] == "/ping":
+                self._send(HTTPStatus.OK, {"status": "ok", "models": sorted(endpoint.models)})
+            else:
+                self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
+
+        def do_POST(self):
+            if self.path.split("?")[0] != "/invocations":
+                self._drain()
+                return self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                self.close_connection = True
+                return self._error(HTTPStatus.LENGTH_REQUIRED, "length_required", "send a Content-Length")
+            if int(length) > endpoint.max_payload_bytes:
+                self.close_connection = True  # the unread body must not be parsed as the next request
+                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "payload_too_large",
+                                   f"request body is over {endpoint.max_payload_bytes} bytes")
+            body = self.rfile.read(int(length))
+            try:
+                self._send(HTTPStatus.OK, endpoint.invoke(body, self.headers.get("Content-Type")))
+            except RequestError as err:
+                self._error(err.status, err.code, err.message)
+            except Exception:
+                log.exception("invocation failed")
+                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "model_error", "the model failed on this request")
+
+        def _drain(self):
+            length = self.headers.get("Content-Length", "0")
+            if length.isdigit() and int(length) <= endpoint.max_payload_bytes:
+                self.rfile.read(int(length))
+            else:
+                self.close_connection = True
+
+        def _error(self, status: HTTPStatus, code: str, message: str):
+            self._send(status, {"error": {"code": code, "message": message}})
+
+        def _send(self, status: HTTPStatus, payload: dict):
+            data = json.dumps(payload, separators=(",", ":")).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", JSON)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt, *args):
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+    return Handler
+
+
+def make_server(endpoint: Endpoint, host: str, port: int) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), make_handler(endpoint))
+    server.daemon_threads = True
+    return server
+
+
+def load_endpoint(settings: Settings) -> Endpoint:
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    models = {}
+    for name in settings.model_names():
+        model = build(name)
+        model.load()
+        models[name] = model
+    max_mb = float(os.environ.get("SAGEMAKER_MAX_PAYLOAD_IN_MB", "6"))
+    return Endpoint(models, default_model=settings.model_names()[0], max_payload_bytes=int(max_mb * 2**20))
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s sagemaker[%(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+    endpoint = load_endpoint(Settings())
+    # SageMaker requires 0.0.0.0:8080; multi-container endpoints pass the port.
+    server = make_server(endpoint, "0.0.0.0", int(os.environ.get("SAGEMAKER_BIND_TO_PORT", "8080")))
+    # shutdown() blocks until serve_forever() returns, so it runs off the signal handler's thread.
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    log.info("serving %s on port %d", ", ".join(endpoint.models), server.server_address[1])
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

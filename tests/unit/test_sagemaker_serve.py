@@ -1,0 +1,203 @@
+"""The SageMaker serving entrypoint (containers/sagemaker/serve.py): protocol in-process
+against fake models, then the real entrypoint as a process with the real MiniLM."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from models.base import ModelInputError
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "containers" / "sagemaker" / "serve.py"
+
+spec = importlib.util.spec_from_file_location("sluice_sagemaker_serve", SERVE)
+serve = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(serve)
+
+
+class Recording:
+    """Echoes its inputs and records each batch it was given."""
+
+    name, version, max_batch_size, description = "echo", "1", 4, "echo"
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def predict_batch(self, inputs):
+        self.entered.set()
+        assert self.gate.wait(10), "test never released the model"
+        if any("!bad" in t for t in inputs):
+            raise ModelInputError("refuses '!bad'")
+        if any("!crash" in t for t in inputs):
+            raise RuntimeError("secret internal detail")
+        self.batches.append(list(inputs))
+        return [t.upper() for t in inputs]
+
+    def result_for_task(self, outputs):
+        return {"outputs": outputs}
+
+
+@pytest.fixture()
+def server():
+    model = Recording()
+    endpoint = serve.Endpoint({"echo": model}, default_model="echo", max_payload_bytes=16384)
+    srv = serve.make_server(endpoint, "127.0.0.1", 0)
+    # A short poll interval keeps shutdown() (and so each test's teardown) quick.
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv.server_address[1], model
+    srv.shutdown()
+    srv.server_close()
+    thread.join(5)
+
+
+def call(port, method, path, body=None, content_type="application/json", conn=None):
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    headers = {"Content-Type": content_type} if data is not None else {}
+    conn.request(method, path, body=data, headers=headers)
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_ping(server):
+    port, _ = server
+    assert call(port, "GET", "/ping") == (200, {"status": "ok", "models": ["echo"]})
+
+
+def test_a_batch_runs_in_chunks_of_max_batch_size_in_order(server):
+    port, model = server
+    texts = [f"t{i}" for i in range(10)]
+    status, body = call(port, "POST", "/invocations", {"inputs": texts})
+    assert status == 200
+    assert body == {"model": "echo", "model_version": "1", "result": {"outputs": [t.upper() for t in texts]}}
+    assert [len(b) for b in model.batches] == [4, 4, 2]
+
+
+def test_a_bare_list_is_the_batch_and_keep_alive_reuses_the_connection(server):
+    port, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    assert call(port, "POST", "/invocations", ["a", "b"], conn=conn)[1]["result"] == {"outputs": ["A", "B"]}
+    assert call(port, "POST", "/invocations", {"model": "echo", "inputs": ["c"]}, conn=conn)[0] == 200
+    assert call(port, "GET", "/ping", conn=conn)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "status", "code"),
+    [
+        (b"{not json", "application/json", 400, "malformed_json"),
+        ({"inputs": []}, "application/json", 400, "validation_error"),
+        ({"inputs": "one string"}, "application/json", 400, "validation_error"),
+        ({"inputs": ["ok", 3]}, "application/json", 400, "validation_error"),
+        ({"inputs": ["x" * 9000]}, "application/json", 400, "validation_error"),
+        ("42", "application/json", 400, "validation_error"),
+        ({"model": "nope", "inputs": ["a"]}, "application/json", 400, "unknown_model"),
+        ({"inputs": ["a"]}, "text/csv", 415, "unsupported_media_type"),
+        ({"inputs": ["y" * 20000]}, "application/json", 413, "payload_too_large"),
+        ({"inputs": ["fine", "!bad"]}, "application/json", 400, "invalid_input"),
+    ],
+)
+def test_bad_requests_get_json_errors(server, body, content_type, status, code):
+    port, _ = server
+    got_status, got = call(port, "POST", "/invocations", body, content_type)
+    assert (got_status, got["error"]["code"]) == (status, code)
+
+
+def test_a_model_crash_is_500_without_internals(server):
+    port, _ = server
+    status, body = call(port, "POST", "/invocations", {"inputs": ["!crash"]})
+    assert status == 500
+    assert "secret" not in json.dumps(body)
+
+
+def test_unknown_routes_are_404(server):
+    port, _ = server
+    assert call(port, "GET", "/nope")[0] == 404
+    assert call(port, "POST", "/ping", {"inputs": ["a"]})[0] == 404
+
+
+def test_ping_answers_while_a_batch_is_running(server):
+    port, model = server
+    model.gate.clear()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=call(port, "POST", "/invocations", {"inputs": ["slow"]})))
+    worker.start()
+    assert model.entered.wait(10)
+    started = time.monotonic()
+    assert call(port, "GET", "/ping")[0] == 200
+    assert time.monotonic() - started < 2  # SageMaker's health check deadline
+    model.gate.set()
+    worker.join(10)
+    assert result["r"][0] == 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_entrypoint_serves_minilm_without_any_web_framework(tmp_path):
+    """Runs serve.py as the image does (`serve`), with FastAPI, Starlette and uvicorn made
+    unimportable: the worker image does not ship them, so nothing here may need them."""
+    port = free_port()
+    blocker = (
+        "import runpy, sys\n"
+        "for m in ('fastapi', 'starlette', 'uvicorn', 'mangum'): sys.modules[m] = None\n"
+        f"runpy.run_path({str(SERVE)!r}, run_name='__main__')\n"
+    )
+    env = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "SLUICE_MODELS": "minilm-embed,synthetic",
+           "SLUICE_TORCH_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-c", blocker], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if call(port, "GET", "/ping")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "serve.py did not answer /ping within 60 s"
+            time.sleep(0.1)
+
+        texts = ["A cat sits on the mat.", "A kitten rests on a rug.", "Quarterly revenue grew by 4%."]
+        status, body = call(port, "POST", "/invocations", {"inputs": texts})
+        assert status == 200, body
+        assert body["model"] == "minilm-embed"  # the first of SLUICE_MODELS is the default
+        vectors = body["result"]["embeddings"]
+        assert body["result"]["dim"] == 384 and [len(v) for v in vectors] == [384] * 3
+        assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-3 for v in vectors)
+
+        def cos(a, b):
+            return sum(x * y for x, y in zip(a, b))
+
+        assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2]) + 0.2
+
+        status, body = call(port, "POST", "/invocations", {"model": "synthetic", "inputs": ["abc"]})
+        assert status == 200 and body["result"]["outputs"][0]["length"] == 3
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
