@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration e2e clean
+.PHONY: install run test unit integration e2e onprem clean
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -15,7 +15,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[api,worker,dev]'
 	touch $@
 
-install: $(STAMP)
+# LocalStack (the SQS server of tests/onprem) ships its own fork of moto, so it
+# gets a venv of its own. 4.13.1 is the newest release that runs on Python 3.11.
+LS_VENV := .venv-localstack
+LS_STAMP := $(LS_VENV)/.installed
+$(LS_STAMP): Makefile
+	test -x $(LS_VENV)/bin/python || python3 -m venv $(LS_VENV)
+	$(LS_VENV)/bin/python -m pip install -q 'localstack-core[runtime]==4.13.1' 'cbor2<6' 'pyopenssl==24.3.0' 'cryptography==44.0.3' service_identity
+	touch $@
+
+install: $(STAMP) $(LS_STAMP)
 
 run: install  ## the whole service on this machine (embedded profile)
 	$(PY) -m onprem.embedded
@@ -33,5 +42,8 @@ integration: install
 e2e: install
 	$(PY) -m pytest tests/e2e
 
+onprem: install  ## images, compose, k8s checks and the on-prem parity suite
+	$(PY) -m pytest tests/onprem
+
 clean:
-	rm -rf $(VENV) .sluice .pytest_cache
+	rm -rf $(VENV) $(LS_VENV) .sluice .pytest_cache

@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     # "table": hashed keys in the keys table (embedded, on-prem).
     # "apigateway": API Gateway already checked the key; tenant = its key id.
     auth_mode: Literal["table", "apigateway"] = "table"
+    key_cache_s: float = Field(default=10.0, description="A revoked key stops working within this time.")
 
     inline_payload_max_bytes: int = 64 * 1024
     inline_result_max_bytes: int = 32 * 1024

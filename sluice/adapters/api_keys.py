@@ -22,10 +22,10 @@ def hash_key(key: str) -> str:
 
 
 class ApiKeys:
-    def __init__(self, settings: Settings, cache_ttl_s: float = 10.0, cache_size: int = 10_000):
+    def __init__(self, settings: Settings, cache_size: int = 10_000):
         self.table = settings.keys_table
         self.ddb = client("dynamodb", settings)
-        self.cache_ttl_s = cache_ttl_s
+        self.cache_ttl_s = settings.key_cache_s
         self.cache_size = cache_size
         self._cache: dict[str, tuple[float, ApiKeyRecord | None]] = {}
         self._lock = threading.Lock()

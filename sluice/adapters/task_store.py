@@ -1,12 +1,17 @@
 """DynamoDB tasks table.
 
 Every status change is a conditional write, so a task only moves forward and a
-duplicate delivery can never overwrite a finished result. Batches of changes go
-through TransactWriteItems: one call per batch instead of one per task.
+duplicate delivery can never overwrite a finished result. A batch's changes are
+independent conditional UpdateItem calls issued in parallel, not one
+TransactWriteItems: no change needs another to succeed, transactions cost twice
+the write capacity on AWS, and moto's implementation copies the whole table on
+every call and restores that copy on failure, reverting concurrent writers.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -19,7 +24,7 @@ from sluice.settings import Settings
 
 _ser = TypeSerializer()
 _de = TypeDeserializer()
-_TRANSACT_LIMIT = 100
+_BATCH_WRITE_LIMIT = 25
 
 
 class TaskExists(Exception):
@@ -104,6 +109,7 @@ class TaskStore:
     def __init__(self, settings: Settings):
         self.table = settings.tasks_table
         self.ddb = client("dynamodb", settings)
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluice-ddb")
 
     def create(self, record: TaskRecord) -> None:
         try:
@@ -122,20 +128,17 @@ class TaskStore:
             raise
 
     def create_many(self, records: list[TaskRecord]) -> None:
-        """All-or-nothing: either every record is written or none is."""
-        for chunk in _chunks(records, _TRANSACT_LIMIT):
-            self.ddb.transact_write_items(
-                TransactItems=[
-                    {
-                        "Put": {
-                            "TableName": self.table,
-                            "Item": to_item(r),
-                            "ConditionExpression": "attribute_not_exists(task_id)",
-                        }
-                    }
-                    for r in chunk
-                ]
-            )
+        """Write fresh records (their ids are new, so no condition is needed).
+        Raises if any could not be written; the caller rolls back what was."""
+        for chunk in _chunks(records, _BATCH_WRITE_LIMIT):
+            request = {self.table: [{"PutRequest": {"Item": to_item(r)}} for r in chunk]}
+            for attempt in range(6):
+                request = self.ddb.batch_write_item(RequestItems=request).get("UnprocessedItems") or {}
+                if not request:
+                    break
+                time.sleep(0.05 * 2**attempt)  # throttled: back off as the SDK would
+            if request:
+                raise RuntimeError(f"{len(request[self.table])} task records were not written")
 
     def get(self, task_id: str) -> TaskRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
@@ -187,34 +190,24 @@ class TaskStore:
         return from_item(response["Attributes"])
 
     def apply_many(self, changes: list[Change]) -> set[str]:
-        """Apply conditional updates in transactions; returns the task ids whose
+        """Apply independent conditional updates; returns the task ids whose
         condition failed (those are left untouched, the rest are applied)."""
-        rejected: set[str] = set()
-        pending = list({c.task_id: c for c in changes}.values())
-        while pending:
-            chunk, pending = pending[:_TRANSACT_LIMIT], pending[_TRANSACT_LIMIT:]
-            while chunk:
-                try:
-                    self.ddb.transact_write_items(
-                        TransactItems=[{"Update": c.update(self.table)} for c in chunk]
-                    )
-                    break
-                except ClientError as err:
-                    if _code(err) != "TransactionCanceledException":
-                        raise
-                    reasons = err.response.get("CancellationReasons") or []
-                    failed = {
-                        c.task_id
-                        for c, r in zip(chunk, reasons)
-                        if r.get("Code") == "ConditionalCheckFailed"
-                    }
-                    if not failed:
-                        if any(r.get("Code") == "TransactionConflict" for r in reasons):
-                            continue  # a concurrent write touched one item: try again
-                        raise
-                    rejected |= failed
-                    chunk = [c for c in chunk if c.task_id not in failed]
-        return rejected
+        unique = list({c.task_id: c for c in changes}.values())
+
+        def one(change: Change) -> str | None:
+            try:
+                self.ddb.update_item(**change.update(self.table))
+            except ClientError as err:
+                if _code(err) == "ConditionalCheckFailedException":
+                    return change.task_id
+                raise
+            return None
+
+        if len(unique) == 1:
+            rejected = [one(unique[0])]
+        else:
+            rejected = list(self._pool.map(one, unique))
+        return {task_id for task_id in rejected if task_id}
 
 
 def _key(task_id: str) -> dict[str, Any]:

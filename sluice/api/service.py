@@ -179,7 +179,8 @@ class TaskService:
             for m in messages:
                 self._claim_check(m)
             self.store.create_many(records)
-        except (BotoCoreError, ClientError):
+        except (BotoCoreError, ClientError, RuntimeError):
+            self._roll_back([r.task_id for r in records])
             raise unavailable("the task store") from None
         try:
             self.queues.send_many(messages)

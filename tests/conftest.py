@@ -1,0 +1,54 @@
+"""Shared fixtures: a real moto server over HTTP, and isolated resource names."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from onprem.embedded import emulator_env, free_port, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto server process for the session; tests isolate by resource names."""
+    port = free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/moto-api/", 30)
+        saved = dict(os.environ)
+        os.environ.update(emulator_env(port))
+        yield f"http://127.0.0.1:{port}"
+        os.environ.clear()
+        os.environ.update(saved)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def settings(moto_endpoint):
+    """Settings naming fresh queues, tables and bucket, created on the emulator."""
+    from sluice.bootstrap import ensure_resources
+    from sluice.settings import Settings
+
+    tag = uuid.uuid4().hex[:8]
+    s = Settings(
+        queue_prefix=f"t{tag}",
+        tasks_table=f"t{tag}-tasks",
+        keys_table=f"t{tag}-keys",
+        bucket=f"t{tag}-payloads",
+        visibility_timeout_s=30,
+        models="synthetic",
+        key_cache_s=0,
+    )
+    ensure_resources(s)
+    return s

@@ -1,0 +1,136 @@
+"""The HTTP API against the emulator: auth, validation, idempotency, cancel."""
+
+import pytest
+
+from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import TaskStore
+from sluice.aws import client as aws_client
+from sluice.contract import Priority
+
+
+def submit(api, key, body=None, **headers):
+    body = body or {"model": "synthetic", "inputs": ["hello"]}
+    return api.post("/v1/tasks", json=body, headers={"x-api-key": key, **headers})
+
+
+def nothing_recorded(settings) -> bool:
+    ddb = aws_client("dynamodb", settings)
+    items = ddb.scan(TableName=settings.tasks_table, Select="COUNT")["Count"]
+    queues = PriorityQueues(settings)
+    visible = sum(queues.depth(p, max_age_s=0) for p in Priority)
+    return items == 0 and visible == 0
+
+
+def test_health_needs_no_key_and_ready_checks_dependencies(api):
+    assert api.get("/health").json() == {"status": "ok"}
+    ready = api.get("/ready")
+    assert ready.status_code == 200 and set(ready.json()["checks"].values()) == {"ok"}
+
+
+def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(api):
+    assert api.get("/v1/models").status_code == 401
+    assert api.get("/v1/models", headers={"x-api-key": "sk_nope"}).status_code == 403
+    key, _ = api.keys.create("tenant-c")
+    assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200
+    api.keys.revoke(key)
+    assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
+
+
+def test_submit_returns_202_with_position_and_records_one_task(api, settings):
+    response = submit(api, api.key_a, {"model": "synthetic", "inputs": ["a", "b"], "priority": "high"})
+    assert response.status_code == 202
+    body = response.json()
+    assert body["status"] == "queued" and body["priority"] == "high"
+    assert body["queue_position"] >= 0 and body["estimated_wait_s"] >= 0
+    view = api.get(f"/v1/tasks/{body['task_id']}", headers={"x-api-key": api.key_a}).json()
+    assert view["status"] == "queued" and view["model"] == "synthetic" and view["model_version"] == "1"
+
+
+def test_another_tenants_task_is_not_found(api):
+    task_id = submit(api, api.key_a).json()["task_id"]
+    for method in (api.get, api.delete):
+        response = method(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_b})
+        assert response.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body, status, field",
+    [
+        ({"model": "synthetic", "inputs": "not a list"}, 422, "inputs"),
+        ({"model": "synthetic", "inputs": [1, 2]}, 422, "inputs.0"),
+        ({"model": "no-such-model", "inputs": ["x"]}, 422, "model"),
+        ({"model": "synthetic", "inputs": []}, 422, "inputs"),
+        ({"model": "synthetic", "inputs": ["x"] * 65}, 422, "inputs"),
+        ({"model": "synthetic", "inputs": ["x"], "priority": "urgent"}, 422, "priority"),
+        ({"inputs": ["x"]}, 422, "model"),
+    ],
+)
+def test_invalid_requests_name_the_field_and_leave_nothing_behind(api, settings, body, status, field):
+    response = submit(api, api.key_a, body)
+    assert response.status_code == status, response.text
+    details = response.json()["error"]["details"]
+    assert any(d["field"] == field for d in details), details
+    assert all(d["rule"] for d in details)
+    assert nothing_recorded(settings)
+
+
+def test_malformed_json_is_400(api, settings):
+    response = api.post("/v1/tasks", content=b'{"model": "synthetic", "inputs": [',
+                        headers={"x-api-key": api.key_a, "content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "malformed_json"
+    assert nothing_recorded(settings)
+
+
+def test_oversized_body_is_413(api, settings):
+    big = {"model": "synthetic", "inputs": ["x" * 8000] * 64, "metadata": {"k": "v"}}
+    response = api.post("/v1/tasks", content=b" " * (settings.max_body_bytes + 1) + b"{}",
+                        headers={"x-api-key": api.key_a, "content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["details"][0]["field"] == "body"
+    assert submit(api, api.key_a, big).status_code == 202  # 512 KB is within the limit
+
+
+def test_idempotency_key_returns_the_same_task_and_rejects_a_different_body(api, settings):
+    first = submit(api, api.key_a, **{"Idempotency-Key": "order-42"})
+    again = submit(api, api.key_a, **{"Idempotency-Key": "order-42"})
+    assert first.status_code == again.status_code == 202
+    assert first.json()["task_id"] == again.json()["task_id"]
+    other_tenant = submit(api, api.key_b, **{"Idempotency-Key": "order-42"})
+    assert other_tenant.json()["task_id"] != first.json()["task_id"]
+    clash = submit(api, api.key_a, {"model": "synthetic", "inputs": ["different"]}, **{"Idempotency-Key": "order-42"})
+    assert clash.status_code == 409
+
+
+def test_batch_submit_records_every_task(api, settings):
+    tasks = [{"model": "synthetic", "inputs": [f"t{i}"], "priority": p}
+             for i, p in enumerate(["high", "normal", "low"] * 10)]
+    response = api.post("/v1/tasks/batch", json={"tasks": tasks}, headers={"x-api-key": api.key_a})
+    assert response.status_code == 202
+    ids = [t["task_id"] for t in response.json()["tasks"]]
+    assert len(set(ids)) == 30
+    assert len(TaskStore(settings).get_many(ids)) == 30
+    too_many = api.post("/v1/tasks/batch", json={"tasks": tasks * 4}, headers={"x-api-key": api.key_a})
+    assert too_many.status_code == 422 and too_many.json()["error"]["details"][0]["field"] == "tasks"
+
+
+def test_batch_with_one_bad_model_records_nothing(api, settings):
+    tasks = [{"model": "synthetic", "inputs": ["ok"]}, {"model": "nope", "inputs": ["x"]}]
+    response = api.post("/v1/tasks/batch", json={"tasks": tasks}, headers={"x-api-key": api.key_a})
+    assert response.status_code == 422
+    assert response.json()["error"]["details"][0]["field"] == "tasks.1.model"
+    assert nothing_recorded(settings)
+
+
+def test_cancel_a_queued_task_then_it_is_final(api):
+    task_id = submit(api, api.key_a).json()["task_id"]
+    cancelled = api.delete(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a})
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert api.delete(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()["status"] == "cancelled"
+
+
+def test_openapi_docs_are_served(api):
+    assert api.get("/docs").status_code == 200
+    schema = api.get("/openapi.json").json()
+    assert "SubmitRequest" in schema["components"]["schemas"]
+    assert "/v1/tasks/{task_id}" in schema["paths"]

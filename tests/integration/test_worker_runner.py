@@ -1,0 +1,99 @@
+"""The batch runner on the emulator: claims, outcomes, isolation, duplicates."""
+
+import json
+import urllib.request
+
+from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import TaskStore
+from sluice.contract import Priority
+
+
+def receive_all(settings, want):
+    queues = PriorityQueues(settings)
+    got = []
+    for _ in range(30):
+        for p in Priority:
+            got += queues.receive(p, 10, 0, 30)
+        if len(got) >= want:
+            break
+    return got
+
+
+def run_once(runner, batch):
+    prepared = runner.prepare(batch)
+    runner.finish(prepared, runner.infer(prepared.jobs))
+    return prepared
+
+
+def test_batch_succeeds_and_acks(api, settings, runner):
+    ids = [api.post("/v1/tasks", json={"model": "synthetic", "inputs": [f"x{i}", "y"]},
+                    headers={"x-api-key": api.key_a}).json()["task_id"] for i in range(5)]
+    run_once(runner, receive_all(settings, 5))
+    for task_id in ids:
+        view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()
+        assert view["status"] == "succeeded"
+        assert len(view["result"]["outputs"]) == 2
+        assert view["batch_size"] == 10 and view["attempts"] == 1
+        assert view["timings"]["started_at"] >= view["timings"]["created_at"]
+    assert receive_all(settings, 1) == []  # every message deleted
+
+
+def test_poison_input_fails_alone(api, settings, runner):
+    good = [api.post("/v1/tasks", json={"model": "synthetic", "inputs": [f"ok{i}"]},
+                     headers={"x-api-key": api.key_a}).json()["task_id"] for i in range(6)]
+    bad = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x !fail"]},
+                   headers={"x-api-key": api.key_a}).json()["task_id"]
+    run_once(runner, receive_all(settings, 7))
+    store = TaskStore(settings)
+    assert all(store.get(t).status.value == "succeeded" for t in good)
+    poisoned = store.get(bad)
+    assert poisoned.status.value == "running" and "!fail" in poisoned.error_message
+
+
+def test_cancelled_and_expired_tasks_never_run(api, settings, runner):
+    cancelled = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["c"]},
+                         headers={"x-api-key": api.key_a}).json()["task_id"]
+    api.delete(f"/v1/tasks/{cancelled}", headers={"x-api-key": api.key_a})
+    expired = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["e"], "deadline_s": 1},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    batch = receive_all(settings, 2)
+    for m in batch:  # make the deadline pass without waiting for it
+        body = json.loads(m.body)
+        if body["task_id"] == expired:
+            body["deadline_at"] = 1
+            m.body = json.dumps(body)
+    prepared = run_once(runner, batch)
+    assert prepared.jobs == []
+    store = TaskStore(settings)
+    assert store.get(cancelled).status.value == "cancelled" and store.get(cancelled).attempts == 0
+    assert store.get(expired).status.value == "expired"
+    assert receive_all(settings, 1) == []
+
+
+def test_duplicate_delivery_cannot_overwrite_a_result(api, settings, runner):
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["once"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    [first] = receive_all(settings, 1)
+    run_once(runner, [first])
+    before = TaskStore(settings).get(task_id)
+    run_once(runner, [first])  # the same message delivered again after it finished
+    after = TaskStore(settings).get(task_id)
+    assert before.result_json == after.result_json and after.attempts == 1 and after.finished_at == before.finished_at
+
+
+def test_large_inputs_and_results_travel_through_s3(api, settings, runner):
+    # The API and the runner share this settings object.
+    settings.inline_payload_max_bytes = 1024
+    settings.inline_result_max_bytes = 256
+    texts = [f"sentence {i} " * 20 for i in range(10)]
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": texts},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    [message] = receive_all(settings, 1)
+    body = json.loads(message.body)
+    assert body.get("inputs") is None and body["inputs_key"].endswith(f"{task_id}.json")
+    run_once(runner, [message])
+    view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()
+    assert view["status"] == "succeeded" and view["result"] is None
+    with urllib.request.urlopen(view["result_url"], timeout=5) as response:
+        result = json.loads(response.read())
+    assert [o["length"] for o in result["outputs"]] == [len(t) for t in texts]

@@ -1,0 +1,85 @@
+import threading
+import time
+
+from sluice.adapters.queues import Received
+from sluice.contract import Priority, TaskMessage
+from sluice.worker.batcher import PrefetchBuffer
+from sluice.worker.policy import WeightedPriorityPolicy
+
+WEIGHTS = {Priority.high: 6, Priority.normal: 3, Priority.low: 1}
+
+
+def message(priority: Priority, inputs: int = 1, n: int = 0) -> Received:
+    body = TaskMessage(task_id=f"{priority.value}-{n}", tenant_id="t", model="m", priority=priority,
+                       input_count=inputs, inputs=["x"] * inputs, enqueued_at=0).model_dump_json()
+    return Received(priority, f"id-{n}", f"rh-{priority.value}-{n}", body, 1, time.monotonic())
+
+
+def test_full_batch_returns_without_waiting_for_the_timer():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.normal, n=i) for i in range(10)])
+    batch = buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=4, max_wait_s=60, idle_wait_s=1)
+    assert len(batch) == 4
+
+
+def test_partial_batch_is_released_when_the_wait_expires():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.normal, n=1)])
+    done = threading.Event()
+    result = []
+    threading.Thread(target=lambda: (result.extend(
+        buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=32, max_wait_s=0.05, idle_wait_s=1)),
+        done.set())).start()
+    assert done.wait(5), "take_batch did not honour max_wait"
+    assert len(result) == 1
+
+
+def test_late_arrivals_join_the_open_batch():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.normal, n=0)])
+    result = []
+    t = threading.Thread(target=lambda: result.extend(
+        buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=2, max_wait_s=30, idle_wait_s=1)))
+    t.start()
+    buffer.put([message(Priority.low, n=1)])
+    t.join(5)
+    assert not t.is_alive(), "the second message should have completed the batch"
+    assert [m.priority for m in result] == [Priority.normal, Priority.low]
+
+
+def test_inputs_not_messages_fill_the_batch():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.high, inputs=3, n=i) for i in range(3)])
+    batch = buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=7, max_wait_s=0, idle_wait_s=1)
+    assert len(batch) == 2  # a third message would make 9 inputs > 7
+
+
+def test_an_oversized_task_still_runs_alone():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.high, inputs=50)])
+    batch = buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=8, max_wait_s=0, idle_wait_s=1)
+    assert len(batch) == 1
+
+
+def test_priorities_mix_by_weight():
+    buffer = PrefetchBuffer(100)
+    for p in Priority:
+        buffer.put([message(p, n=i) for i in range(20)])
+    batch = buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=10, max_wait_s=0, idle_wait_s=1)
+    counts = {p: sum(m.priority is p for m in batch) for p in Priority}
+    assert counts == {Priority.high: 6, Priority.normal: 3, Priority.low: 1}
+
+
+def test_idle_returns_empty_and_close_hands_back_the_rest():
+    buffer = PrefetchBuffer(100)
+    assert buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), 4, 0, idle_wait_s=0.01) == []
+    buffer.put([message(Priority.low, n=i) for i in range(3)])
+    assert len(buffer.close()) == 3
+    assert buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), 4, 0, idle_wait_s=0.01) == []
+
+
+def test_room_shrinks_as_messages_arrive():
+    buffer = PrefetchBuffer(5)
+    buffer.put([message(Priority.high, n=i) for i in range(3)])
+    assert buffer.room(Priority.high) == 2
+    assert buffer.room(Priority.low) == 5

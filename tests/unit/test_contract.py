@@ -1,0 +1,73 @@
+import pytest
+from pydantic import ValidationError
+
+from sluice.contract import (
+    ALLOWED_TRANSITIONS,
+    MAX_INPUTS_PER_TASK,
+    TERMINAL_STATUSES,
+    Priority,
+    SubmitRequest,
+    TaskMessage,
+    TaskRecord,
+    TaskStatus,
+    can_transition,
+)
+
+
+def test_submit_defaults_to_normal_priority():
+    request = SubmitRequest(model="minilm-embed", inputs=["hi"])
+    assert request.priority is Priority.normal
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"model": "minilm-embed", "inputs": []}, "inputs"),
+        ({"model": "minilm-embed", "inputs": ["x"] * (MAX_INPUTS_PER_TASK + 1)}, "inputs"),
+        ({"model": "minilm-embed", "inputs": [""]}, "inputs"),
+        ({"model": "minilm-embed", "inputs": [3]}, "inputs"),
+        ({"model": "Bad Name!", "inputs": ["x"]}, "model"),
+        ({"model": "minilm-embed", "inputs": ["x"], "priority": "urgent"}, "priority"),
+        ({"model": "minilm-embed", "inputs": ["x"], "deadline_s": 0}, "deadline_s"),
+        ({"model": "minilm-embed", "inputs": ["x"], "surprise": 1}, "surprise"),
+    ],
+)
+def test_submit_rejects_bad_bodies_naming_the_field(body, field):
+    with pytest.raises(ValidationError) as info:
+        SubmitRequest.model_validate(body)
+    assert field in str(info.value.errors()[0]["loc"][0])
+
+
+def test_terminal_statuses_have_no_way_out():
+    for status in TERMINAL_STATUSES:
+        assert ALLOWED_TRANSITIONS[status] == frozenset()
+        assert all(not can_transition(status, target) for target in TaskStatus)
+
+
+def test_transitions_only_move_forward():
+    assert can_transition(TaskStatus.queued, TaskStatus.running)
+    assert can_transition(TaskStatus.running, TaskStatus.succeeded)
+    assert not can_transition(TaskStatus.running, TaskStatus.queued)
+    assert not can_transition(TaskStatus.running, TaskStatus.cancelled)
+    assert not can_transition(TaskStatus.succeeded, TaskStatus.running)
+
+
+def test_queue_message_round_trips_through_json():
+    message = TaskMessage(task_id="a" * 32, tenant_id="t", model="m", priority=Priority.low,
+                          input_count=2, inputs=["x", "y"], enqueued_at=1)
+    assert TaskMessage.model_validate_json(message.model_dump_json()) == message
+
+
+def test_record_view_derives_queue_time_and_error():
+    record = TaskRecord(task_id="t1", tenant_id="a", model="m", priority=Priority.high,
+                        status=TaskStatus.failed, input_count=1, created_at=1000, started_at=1250,
+                        finished_at=1300, error_code="model_error", error_message="boom")
+    view = record.to_view()
+    assert view.timings.queue_ms == 250
+    assert view.error.code == "model_error" and view.error.message == "boom"
+
+
+def test_openapi_request_schema_comes_from_the_contract():
+    schema = SubmitRequest.model_json_schema()
+    assert schema["properties"]["inputs"]["maxItems"] == MAX_INPUTS_PER_TASK
+    assert set(schema["required"]) == {"model", "inputs"}
