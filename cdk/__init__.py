@@ -1,0 +1,1 @@
+"""The Sluice CDK app: one stack per worker backend, built from constructs."""

@@ -1,0 +1,234 @@
+"""The stack's typed configuration, read from CDK context.
+
+Every option lives under the context key ``sluice`` (cdk.json holds the
+defaults). Single options can be overridden on the command line with dotted
+keys, e.g. ``cdk deploy -c sluice.max_workers=16 SluiceEks``; command-line
+context values arrive as strings, so every field is parsed and checked here
+rather than trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from sluice.contract import Priority
+
+Backend = Literal["eks", "sagemaker"]
+PRIORITIES = tuple(p.value for p in Priority)
+
+
+@dataclass(frozen=True)
+class UsagePlan:
+    name: str
+    rate_per_s: float
+    burst: int
+    quota_per_day: int
+
+
+@dataclass(frozen=True)
+class SluiceConfig:
+    # Which worker backends app.py synthesizes: one stack per backend.
+    backends: tuple[Backend, ...] = ("eks", "sagemaker")
+    # Prefix of queue names (SLUICE_QUEUE_PREFIX), so `sluice dlq` finds them.
+    name_prefix: str = "sluice"
+
+    # Worker image: build context and Dockerfile, relative to the repository root.
+    image_directory: str = "."
+    image_file: str = "containers/worker/Dockerfile"
+
+    models: str = "minilm-embed,synthetic"
+    max_batch_size: int = 32
+    max_wait_ms: int = 10
+    # The slowest batch the worker may run. Queue visibility, the dispatcher's
+    # timeout and the pods' termination grace period are all derived from it.
+    longest_batch_s: int = 60
+    max_attempts: int = 3
+    result_ttl_days: int = 7
+
+    # API
+    usage_plans: tuple[UsagePlan, ...] = (
+        UsagePlan("standard", rate_per_s=50, burst=100, quota_per_day=1_000_000),
+    )
+    api_memory_mb: int = 1024
+    stage_name: str = "v1"
+    waf: bool = True
+    waf_rate_limit_per_5min: int = 20_000
+
+    # EKS
+    kubernetes_version: str = "1.35"
+    gpu_instance_types: tuple[str, ...] = ("g5.xlarge",)
+    min_nodes: int = 0
+    max_nodes: int = 4
+    min_workers: int = 0
+    max_workers: int = 4
+    # Messages per worker KEDA aims for (queueLength of the aws-sqs-queue trigger).
+    messages_per_worker: int = 200
+    keda_chart_version: str = "2.17.0"
+    cluster_autoscaler_chart_version: str = "9.46.6"
+
+    # SageMaker
+    sagemaker_instance_type: str = "ml.g5.xlarge"
+    min_instances: int = 1
+    max_instances: int = 4
+    invocations_per_instance: int = 600
+    dispatcher_batch_size: int = 32
+    dispatcher_batching_window_s: int = 1
+    # Lambda pollers per priority queue (2 is the service minimum).
+    dispatcher_max_concurrency: dict[str, int] = field(
+        default_factory=lambda: {"high": 20, "normal": 10, "low": 4}
+    )
+
+    # Alarms
+    oldest_message_slo_s: dict[str, int] = field(
+        default_factory=lambda: {"high": 60, "normal": 300, "low": 3600}
+    )
+    api_5xx_rate_pct: float = 1.0
+    api_p99_latency_ms: int = 1500
+    alarm_email: str | None = None
+
+    # ------------------------------------------------------------ derived
+    @property
+    def visibility_timeout_s(self) -> int:
+        # Room for one full batch plus its claim/record round trips, twice over:
+        # a worker that dies mid-batch gives its messages back within this.
+        return 2 * self.longest_batch_s + 60
+
+    @property
+    def dispatcher_timeout_s(self) -> int:
+        # SQS event sources require the queue's visibility >= the function timeout.
+        return min(self.longest_batch_s + 30, self.visibility_timeout_s)
+
+    @property
+    def termination_grace_s(self) -> int:
+        return self.longest_batch_s + 30
+
+    # ------------------------------------------------------------ reading
+    @classmethod
+    def from_context(cls, node) -> "SluiceConfig":
+        """Defaults <- context ``sluice`` (a dict) <- context ``sluice.<field>`` keys."""
+        raw: dict[str, Any] = {}
+        base = node.try_get_context("sluice")
+        if isinstance(base, str):
+            base = json.loads(base)
+        if base:
+            raw.update(base)
+        for f in fields(cls):
+            value = node.try_get_context(f"sluice.{f.name}")
+            if value is not None:
+                raw[f.name] = value
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "SluiceConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown sluice context options: {', '.join(sorted(unknown))}")
+        hints = get_type_hints(cls)
+        values = {name: _coerce(name, hints[name], value) for name, value in raw.items()}
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def with_backend(self, backend: Backend) -> "SluiceConfig":
+        return dataclasses.replace(self, backends=(backend,))
+
+    @property
+    def backend(self) -> Backend:
+        if len(self.backends) != 1:
+            raise ValueError("a stack is built for exactly one backend")
+        return self.backends[0]
+
+    def validate(self) -> None:
+        problems = []
+        for b in self.backends:
+            if b not in get_args(Backend):
+                problems.append(f"backends: {b!r} is not one of {get_args(Backend)}")
+        if not self.backends:
+            problems.append("backends: at least one")
+        if not 1 <= self.longest_batch_s <= 3600:
+            problems.append("longest_batch_s: 1..3600")
+        if "sagemaker" in self.backends and self.longest_batch_s > 60:
+            problems.append("longest_batch_s: a SageMaker real-time invocation ends after 60 s")
+        if not 0 <= self.min_workers <= self.max_workers:
+            problems.append("min_workers <= max_workers")
+        if not 0 <= self.min_nodes <= self.max_nodes or self.max_nodes < 1:
+            problems.append("0 <= min_nodes <= max_nodes, max_nodes >= 1")
+        if not 1 <= self.min_instances <= self.max_instances:
+            problems.append("1 <= min_instances <= max_instances")
+        if not 1 <= self.dispatcher_batch_size <= 10_000:
+            problems.append("dispatcher_batch_size: 1..10000")
+        if not 0 <= self.dispatcher_batching_window_s <= 300:
+            problems.append("dispatcher_batching_window_s: 0..300")
+        if self.dispatcher_batch_size > 10 and self.dispatcher_batching_window_s < 1:
+            problems.append("dispatcher_batch_size > 10 needs dispatcher_batching_window_s >= 1")
+        for name in ("dispatcher_max_concurrency", "oldest_message_slo_s"):
+            mapping = getattr(self, name)
+            if set(mapping) != set(PRIORITIES):
+                problems.append(f"{name}: needs exactly the keys {PRIORITIES}")
+        if any(not 2 <= v <= 1000 for v in self.dispatcher_max_concurrency.values()):
+            problems.append("dispatcher_max_concurrency: 2..1000 per priority")
+        if not self.usage_plans:
+            problems.append("usage_plans: at least one")
+        if not 1 <= self.result_ttl_days <= 3650:
+            problems.append("result_ttl_days: 1..3650")
+        if problems:
+            raise ValueError("invalid sluice configuration: " + "; ".join(problems))
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Turn a context value (JSON or a command-line string) into the field's type."""
+    origin = get_origin(hint)
+    args = get_args(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            return str(value)
+        if origin is Literal:
+            if value not in args:
+                raise ValueError(value)
+            return value
+        if _is_optional(hint):
+            if value in (None, "", "null", "none"):
+                return None
+            return _coerce(name, next(a for a in args if a is not type(None)), value)
+        if origin is tuple:
+            items = _as_list(value)
+            inner = args[0]
+            if inner is UsagePlan:
+                return tuple(UsagePlan(**item) if isinstance(item, dict) else item for item in items)
+            return tuple(_coerce(name, inner, item) for item in items)
+        if origin is dict:
+            if isinstance(value, str):
+                value = json.loads(value)
+            return {str(k): _coerce(name, args[1], v) for k, v in dict(value).items()}
+    except (TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"sluice.{name}: cannot read {value!r} as {hint}") from exc
+    raise TypeError(f"sluice.{name}: unsupported type {hint}")
+
+
+def _is_optional(hint: Any) -> bool:
+    return type(None) in get_args(hint)
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return list(value)

@@ -1,0 +1,167 @@
+"""One dashboard and the alarms that page: DLQ not empty, oldest message older
+than its SLO, API 5xx rate and API p99 latency, all to one SNS topic."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as subscriptions
+from constructs import Construct
+
+from cdk.api_construct import Api
+from cdk.config import PRIORITIES, SluiceConfig
+from cdk.queues_construct import Queues
+
+MINUTE = Duration.minutes(1)
+# The worker's EMF metrics (sluice.worker.metrics): namespace and dimension.
+WORKER_NAMESPACE = "Sluice"
+WORKER_DIMENSIONS = {"service": "worker"}
+
+
+def worker_metric(name: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
+    return cw.Metric(
+        namespace=WORKER_NAMESPACE,
+        metric_name=name,
+        dimensions_map=WORKER_DIMENSIONS,
+        statistic=statistic,
+        period=MINUTE,
+        label=label or name,
+    )
+
+
+class Observability(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        config: SluiceConfig,
+        queues: Queues,
+        api: Api,
+        functions: dict[str, lambda_.IFunction],
+        gpu_metrics: list[cw.IMetric],
+        dashboard_name: str,
+    ) -> None:
+        super().__init__(scope, id)
+
+        key = kms.Key(self, "AlarmTopicKey", enable_key_rotation=True, description="Sluice alarm topic")
+        # CloudWatch alarms publish to the encrypted topic.
+        key.add_to_resource_policy(
+            iam.PolicyStatement(
+                actions=["kms:Decrypt", "kms:GenerateDataKey*"],
+                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                resources=["*"],  # in a key policy, "*" is this key
+            )
+        )
+        self.topic = sns.Topic(self, "Alarms", display_name="Sluice alarms", master_key=key, enforce_ssl=True)
+        if config.alarm_email:
+            self.topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
+        action = cw_actions.SnsAction(self.topic)
+
+        self.alarms: list[cw.Alarm] = []
+
+        def alarm(id: str, metric: cw.IMetric, threshold: float, description: str, periods: int = 1) -> cw.Alarm:
+            a = cw.Alarm(
+                self,
+                id,
+                metric=metric,
+                threshold=threshold,
+                evaluation_periods=periods,
+                comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+                alarm_description=description,
+            )
+            a.add_alarm_action(action)
+            a.add_ok_action(action)
+            self.alarms.append(a)
+            return a
+
+        # ------------------------------------------------------------ queues
+        backlog, age, dlq_depth = [], [], []
+        for p in PRIORITIES:
+            queue, dlq = queues.queues[p], queues.dlqs[p]
+            backlog.append(queue.metric_approximate_number_of_messages_visible(period=MINUTE, statistic="Maximum", label=p))
+            oldest = queue.metric_approximate_age_of_oldest_message(period=MINUTE, statistic="Maximum", label=p)
+            age.append(oldest)
+            depth = dlq.metric_approximate_number_of_messages_visible(period=MINUTE, statistic="Maximum", label=f"{p} DLQ")
+            dlq_depth.append(depth)
+            alarm(f"Dlq{p.title()}NotEmpty", depth, 0, f"The {p} dead-letter queue holds messages: inspect with `sluice dlq`.")
+            slo = config.oldest_message_slo_s[p]
+            alarm(
+                f"Oldest{p.title()}OverSlo",
+                oldest,
+                slo,
+                f"A {p} task has waited over {slo} s: workers are behind or down.",
+                periods=3,
+            )
+
+        # --------------------------------------------------------------- api
+        stage = api.stage
+        count = stage.metric_count(period=MINUTE, statistic="Sum")
+        errors_4xx = stage.metric_client_error(period=MINUTE, statistic="Sum")
+        errors_5xx = stage.metric_server_error(period=MINUTE, statistic="Sum")
+        p50 = stage.metric_latency(period=MINUTE, statistic="p50", label="p50")
+        p99 = stage.metric_latency(period=MINUTE, statistic="p99", label="p99")
+        rate_5xx = cw.MathExpression(
+            expression="IF(requests > 0, 100 * errors / requests, 0)",
+            using_metrics={"errors": errors_5xx, "requests": count},
+            period=MINUTE,
+            label="5xx %",
+        )
+        alarm("Api5xxRate", rate_5xx, config.api_5xx_rate_pct, f"Over {config.api_5xx_rate_pct}% of API calls end in 5xx.", periods=3)
+        alarm("ApiP99Latency", p99, config.api_p99_latency_ms, f"API p99 latency over {config.api_p99_latency_ms} ms.", periods=3)
+
+        # ------------------------------------------------------------ lambda
+        fn_errors, fn_throttles, fn_duration = [], [], []
+        for name, fn in functions.items():
+            fn_errors.append(fn.metric_errors(period=MINUTE, statistic="Sum", label=name))
+            fn_throttles.append(fn.metric_throttles(period=MINUTE, statistic="Sum", label=name))
+            fn_duration.append(fn.metric_duration(period=MINUTE, statistic="p99", label=f"{name} p99"))
+
+        # ----------------------------------------------------------- workers
+        outcomes = [
+            worker_metric("TasksSucceeded", "Sum", "succeeded"),
+            worker_metric("TaskAttemptsFailed", "Sum", "failed attempts"),
+        ]
+
+        def graph(title: str, left: list, right: list | None = None, width: int = 8) -> cw.GraphWidget:
+            return cw.GraphWidget(title=title, left=left, right=right or [], width=width, height=6)
+
+        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=dashboard_name)
+        self.dashboard.add_widgets(
+            graph("Backlog (visible messages)", backlog),
+            graph("Oldest message age (s)", age),
+            graph("DLQ depth", dlq_depth),
+        )
+        self.dashboard.add_widgets(
+            graph("API requests", [count], [errors_4xx, errors_5xx]),
+            graph("API latency (ms)", [p50, p99]),
+            graph("API 5xx rate (%)", [rate_5xx]),
+        )
+        self.dashboard.add_widgets(
+            graph("Lambda errors", fn_errors),
+            graph("Lambda throttles", fn_throttles),
+            graph("Lambda duration (ms)", fn_duration),
+        )
+        self.dashboard.add_widgets(
+            graph("Batch size", [worker_metric("BatchSize", "Average", "avg"), worker_metric("BatchSize", "Maximum", "max")]),
+            graph(
+                "Inference latency (ms)",
+                [worker_metric("InferenceLatency", "p50", "p50"), worker_metric("InferenceLatency", "p99", "p99")],
+            ),
+            graph("Throughput (inputs/s)", [worker_metric("Throughput", "Average")]),
+        )
+        self.dashboard.add_widgets(
+            graph(
+                "GPU utilization (%) and memory",
+                [worker_metric("GpuUtilization", "Average"), *gpu_metrics],
+                [worker_metric("GpuMemoryUsed", "Maximum", "GpuMemoryUsed (MB)")],
+                width=12,
+            ),
+            graph("Task outcomes", outcomes, width=12),
+        )

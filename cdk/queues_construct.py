@@ -1,0 +1,56 @@
+"""The three priority queues, each with its dead-letter queue."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_sqs as sqs
+from constructs import Construct
+
+from cdk.config import PRIORITIES, SluiceConfig
+from sluice.bootstrap import MAX_RECEIVE_COUNT
+
+SEND = ["sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"]
+CONSUME = [
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:ChangeMessageVisibility",
+    "sqs:GetQueueAttributes",
+    "sqs:GetQueueUrl",
+]
+
+
+class Queues(Construct):
+    def __init__(self, scope: Construct, id: str, *, config: SluiceConfig) -> None:
+        super().__init__(scope, id)
+        self.queues: dict[str, sqs.Queue] = {}
+        self.dlqs: dict[str, sqs.Queue] = {}
+        for priority in PRIORITIES:
+            name = f"{config.name_prefix}-{priority}"
+            dlq = sqs.Queue(
+                self,
+                f"{priority.title()}Dlq",
+                queue_name=f"{name}-dlq",
+                encryption=sqs.QueueEncryption.SQS_MANAGED,
+                enforce_ssl=True,
+                retention_period=Duration.days(14),
+            )
+            self.dlqs[priority] = dlq
+            self.queues[priority] = sqs.Queue(
+                self,
+                priority.title(),
+                queue_name=name,
+                encryption=sqs.QueueEncryption.SQS_MANAGED,
+                enforce_ssl=True,
+                visibility_timeout=Duration.seconds(config.visibility_timeout_s),
+                retention_period=Duration.days(4),
+                dead_letter_queue=sqs.DeadLetterQueue(queue=dlq, max_receive_count=MAX_RECEIVE_COUNT),
+            )
+
+    def grant(self, grantee: iam.IGrantable, actions: list[str], *, dlq: bool = False) -> None:
+        targets = list(self.queues.values()) + (list(self.dlqs.values()) if dlq else [])
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[q.queue_arn for q in targets])
+
+    def env(self) -> dict[str, str]:
+        """The environment the sluice settings read (explicit URLs win over names)."""
+        return {f"SLUICE_QUEUE_URL_{p.upper()}": q.queue_url for p, q in self.queues.items()}

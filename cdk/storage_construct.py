@@ -1,0 +1,92 @@
+"""Tasks table, API keys table and the payload/result bucket."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_dynamodb as dynamodb
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from cdk.config import SluiceConfig
+
+# Exactly the calls sluice.adapters make; no wildcard actions (see grant_* below).
+TASKS_READ = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:DescribeTable"]
+# TransactWriteItems is authorized per item as PutItem/UpdateItem/ConditionCheckItem.
+TASKS_WRITE = ["dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem", "dynamodb:ConditionCheckItem"]
+
+
+class Storage(Construct):
+    def __init__(self, scope: Construct, id: str, *, config: SluiceConfig) -> None:
+        super().__init__(scope, id)
+
+        self.tasks = dynamodb.Table(
+            self,
+            "Tasks",
+            partition_key=dynamodb.Attribute(name="task_id", type=dynamodb.AttributeType.STRING),
+            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
+            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
+                point_in_time_recovery_enabled=True
+            ),
+            time_to_live_attribute="expires_at",
+            encryption=dynamodb.TableEncryption.AWS_MANAGED,
+            deletion_protection=True,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        # Hashed keys for the `table` auth mode (embedded/on-prem, or a private
+        # deployment without API Gateway keys); the AWS API authenticates with
+        # API Gateway keys and never reads it, so nothing here is granted on it.
+        self.keys = dynamodb.Table(
+            self,
+            "ApiKeys",
+            partition_key=dynamodb.Attribute(name="key_hash", type=dynamodb.AttributeType.STRING),
+            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
+            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
+                point_in_time_recovery_enabled=True
+            ),
+            encryption=dynamodb.TableEncryption.AWS_MANAGED,
+            deletion_protection=True,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+
+        self.access_logs = s3.Bucket(
+            self,
+            "AccessLogs",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        self.bucket = s3.Bucket(
+            self,
+            "Payloads",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=False,
+            server_access_logs_bucket=self.access_logs,
+            server_access_logs_prefix="payloads/",
+            # Inputs and results live as long as their task record (its TTL).
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    expiration=Duration.days(config.result_ttl_days),
+                    abort_incomplete_multipart_upload_after=Duration.days(1),
+                )
+            ],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+
+    # ------------------------------------------------------------ grants
+    def grant_tasks(self, grantee: iam.IGrantable, *, write: bool) -> None:
+        actions = TASKS_READ + (TASKS_WRITE if write else [])
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.tasks.table_arn])
+
+    def grant_objects(self, grantee: iam.IGrantable, *, read: bool = True, write: bool = True) -> None:
+        actions = (["s3:GetObject"] if read else []) + (["s3:PutObject", "s3:DeleteObject"] if write else [])
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.arn_for_objects("*")])
+
+    def grant_bucket_probe(self, grantee: iam.IGrantable) -> None:
+        """HeadBucket (the API's readiness probe) is authorized as s3:ListBucket."""
+        iam.Grant.add_to_principal(grantee=grantee, actions=["s3:ListBucket"], resource_arns=[self.bucket.bucket_arn])

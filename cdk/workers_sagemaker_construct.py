@@ -1,0 +1,148 @@
+"""Workers on SageMaker: the worker image behind a real-time endpoint, fed by a
+dispatcher Lambda that drains the priority queues in batches."""
+
+from __future__ import annotations
+
+from aws_cdk import ArnFormat, Duration, Stack
+from aws_cdk import aws_applicationautoscaling as appscaling
+from aws_cdk import aws_ecr_assets as ecr_assets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda_event_sources as sources
+from aws_cdk import aws_sagemaker as sagemaker
+from constructs import Construct
+
+from cdk.config import PRIORITIES, SluiceConfig
+from cdk.functions import LambdaCode, PythonFunction
+from cdk.queues_construct import Queues
+from cdk.storage_construct import Storage
+
+VARIANT = "AllTraffic"
+
+
+class SageMakerWorkers(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        config: SluiceConfig,
+        image: ecr_assets.DockerImageAsset,
+        code: LambdaCode,
+        storage: Storage,
+        queues: Queues,
+    ) -> None:
+        super().__init__(scope, id)
+        stack = Stack.of(self)
+
+        role = iam.Role(self, "ExecutionRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"))
+        image.repository.grant_pull(role)
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                resources=[
+                    stack.format_arn(
+                        service="logs",
+                        resource="log-group",
+                        resource_name="/aws/sagemaker/Endpoints/*",
+                        arn_format=ArnFormat.COLON_RESOURCE_NAME,
+                    )
+                ],
+            )
+        )
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": ["/aws/sagemaker/Endpoints", "Sluice"]}},
+            )
+        )
+
+        self.model = sagemaker.CfnModel(
+            self,
+            "Model",
+            execution_role_arn=role.role_arn,
+            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+                image=image.image_uri,
+                environment={
+                    "SLUICE_MODELS": config.models,
+                    "SLUICE_MAX_BATCH_SIZE": str(config.max_batch_size),
+                    "SLUICE_DEVICE": "cuda",
+                },
+            ),
+            # The container only answers /ping and /invocations: the dispatcher
+            # does every table, queue and bucket call, so it needs no network.
+            enable_network_isolation=True,
+        )
+        # The role's policy (ECR pull) must exist before SageMaker pulls the image,
+        # not just the role its ARN points at.
+        self.model.node.add_dependency(role)
+        self.endpoint_config = sagemaker.CfnEndpointConfig(
+            self,
+            "EndpointConfig",
+            production_variants=[
+                sagemaker.CfnEndpointConfig.ProductionVariantProperty(
+                    variant_name=VARIANT,
+                    model_name=self.model.attr_model_name,
+                    instance_type=config.sagemaker_instance_type,
+                    initial_instance_count=config.min_instances,
+                    initial_variant_weight=1,
+                    container_startup_health_check_timeout_in_seconds=600,
+                )
+            ],
+        )
+        self.endpoint = sagemaker.CfnEndpoint(
+            self, "Endpoint", endpoint_config_name=self.endpoint_config.attr_endpoint_config_name
+        )
+        self.endpoint_name = self.endpoint.attr_endpoint_name
+
+        target = appscaling.ScalableTarget(
+            self,
+            "Scaling",
+            service_namespace=appscaling.ServiceNamespace.SAGEMAKER,
+            resource_id=f"endpoint/{self.endpoint_name}/variant/{VARIANT}",
+            scalable_dimension="sagemaker:variant:DesiredInstanceCount",
+            min_capacity=config.min_instances,
+            max_capacity=config.max_instances,
+        )
+        target.scale_to_track_metric(
+            "InvocationsPerInstance",
+            target_value=config.invocations_per_instance,
+            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_INVOCATIONS_PER_INSTANCE,
+            scale_in_cooldown=Duration.minutes(5),
+            scale_out_cooldown=Duration.minutes(1),
+        )
+
+        self.dispatcher = PythonFunction(
+            self,
+            "Dispatcher",
+            code=code,
+            handler="lambdas.dispatcher.handler.handler",
+            description="Sluice dispatcher: SQS batches -> SageMaker endpoint -> task table",
+            timeout=Duration.seconds(config.dispatcher_timeout_s),
+            memory_mb=512,
+            environment={
+                "SLUICE_SAGEMAKER_ENDPOINT": self.endpoint_name,
+                "SLUICE_INVOKE_TIMEOUT_S": str(min(60, config.longest_batch_s)),
+                "SLUICE_TASKS_TABLE": storage.tasks.table_name,
+                "SLUICE_BUCKET": storage.bucket.bucket_name,
+                "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
+                "SLUICE_MODELS": config.models,
+            },
+        )
+        fn = self.dispatcher.function
+        storage.grant_tasks(fn, write=True)
+        storage.grant_objects(fn, read=True, write=True)
+        fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:InvokeEndpoint"], resources=[self.endpoint.ref]))
+        for priority in PRIORITIES:
+            # The event source grants exactly ReceiveMessage, DeleteMessage,
+            # ChangeMessageVisibility, GetQueueAttributes, GetQueueUrl on its queue.
+            fn.add_event_source(
+                sources.SqsEventSource(
+                    queues.queues[priority],
+                    batch_size=config.dispatcher_batch_size,
+                    max_batching_window=Duration.seconds(config.dispatcher_batching_window_s),
+                    max_concurrency=config.dispatcher_max_concurrency[priority],
+                    report_batch_item_failures=True,
+                )
+            )
+

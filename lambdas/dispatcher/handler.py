@@ -1,0 +1,69 @@
+"""SageMaker dispatcher: SQS event source -> Dispatcher -> partial batch response.
+
+The batch is dispatched as a whole (claims read and written together, endpoint
+calls in parallel); Powertools' BatchProcessor then reports each message that
+must be retried in batchItemFailures, so Lambda deletes only the finished ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import boto3
+from aws_lambda_powertools import Logger, Tracer
+from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, process_partial_response
+from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
+from botocore.config import Config
+
+from lambdas.dispatcher.dispatch import Delivery, Dispatcher
+from sluice.settings import Settings
+from sluice.worker.metrics import WorkerMetrics
+
+logger = Logger(service="sluice-dispatcher")
+tracer = Tracer(service="sluice-dispatcher")
+processor = BatchProcessor(event_type=EventType.SQS, raise_on_entire_batch_failure=False)
+
+_dispatcher: Dispatcher | None = None
+
+
+class RetryLater(Exception):
+    """Raised for a message SQS must deliver again."""
+
+
+def dispatcher() -> Dispatcher:
+    """Built on first use, so one container reuses its clients across invocations."""
+    global _dispatcher
+    if _dispatcher is None:
+        timeout = int(os.environ.get("SLUICE_INVOKE_TIMEOUT_S", "60"))
+        runtime = boto3.session.Session().client(
+            "sagemaker-runtime",
+            # No retry of a timed-out invocation here: SQS redelivery is the retry.
+            config=Config(read_timeout=timeout + 5, connect_timeout=5, retries={"mode": "standard", "max_attempts": 2}),
+        )
+        _dispatcher = Dispatcher(
+            Settings(),
+            os.environ["SLUICE_SAGEMAKER_ENDPOINT"],
+            runtime,
+            WorkerMetrics(),
+            concurrency=int(os.environ.get("SLUICE_DISPATCH_CONCURRENCY", "8")),
+        )
+    return _dispatcher
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def handler(event, context):
+    d = dispatcher()
+    records = [SQSRecord(r) for r in event.get("Records", [])]
+    retry = d.dispatch(
+        [Delivery(r.message_id, r.body, int(r.attributes.approximate_receive_count or 1)) for r in records]
+    )
+    if d.metrics:
+        d.metrics.flush()
+
+    def record_handler(record: SQSRecord) -> None:
+        reason = retry.get(record.message_id)
+        if reason:
+            raise RetryLater(reason)
+
+    return process_partial_response(event=event, record_handler=record_handler, processor=processor, context=context)

@@ -1,0 +1,57 @@
+"""The typed configuration: context values (JSON or command-line strings) in, checked values out."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdk.build import cdk_json_context
+from cdk.config import SluiceConfig, UsagePlan
+
+
+def test_cdk_json_defaults_match_the_dataclass():
+    from_json = SluiceConfig.from_dict(cdk_json_context()["sluice"])
+    assert from_json == SluiceConfig()
+
+
+def test_command_line_strings_are_parsed():
+    config = SluiceConfig.from_dict(
+        {
+            "backends": "eks",
+            "max_workers": "16",
+            "waf": "false",
+            "gpu_instance_types": "g6.xlarge,g6.2xlarge",
+            "oldest_message_slo_s": '{"high": 30, "normal": 120, "low": 900}',
+            "usage_plans": '[{"name": "bulk", "rate_per_s": 5, "burst": 10, "quota_per_day": 100}]',
+            "alarm_email": "ops@example.com",
+        }
+    )
+    assert config.backends == ("eks",)
+    assert config.max_workers == 16 and config.waf is False
+    assert config.gpu_instance_types == ("g6.xlarge", "g6.2xlarge")
+    assert config.oldest_message_slo_s["high"] == 30
+    assert config.usage_plans == (UsagePlan("bulk", 5, 10, 100),)
+    assert config.alarm_email == "ops@example.com"
+
+
+def test_derived_timeouts_cover_the_longest_batch():
+    config = SluiceConfig(longest_batch_s=45)
+    assert config.visibility_timeout_s > config.longest_batch_s
+    assert config.longest_batch_s < config.dispatcher_timeout_s <= config.visibility_timeout_s
+    assert config.termination_grace_s > config.longest_batch_s
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"backends": "ecs"}, "backends"),
+        ({"max_workers": "lots"}, "max_workers"),
+        ({"min_workers": 5, "max_workers": 2}, "min_workers"),
+        ({"longest_batch_s": 120}, "SageMaker"),
+        ({"dispatcher_max_concurrency": {"high": 1, "normal": 2, "low": 2}}, "dispatcher_max_concurrency"),
+        ({"oldest_message_slo_s": {"high": 1}}, "oldest_message_slo_s"),
+        ({"no_such_option": 1}, "unknown"),
+    ],
+)
+def test_invalid_configuration_is_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        SluiceConfig.from_dict(raw)

@@ -1,0 +1,394 @@
+"""What the synthesized templates promise, checked on the templates themselves."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from aws_cdk.assertions import Match
+
+from cdk.config import PRIORITIES
+
+DATA_SERVICES = ("dynamodb:", "sqs:", "s3:")
+OWN_DATA_TYPES = {"AWS::DynamoDB::Table", "AWS::SQS::Queue", "AWS::S3::Bucket"}
+
+
+def resources(template: dict, type_: str) -> dict[str, dict]:
+    return {k: v for k, v in template["Resources"].items() if v["Type"] == type_}
+
+
+def as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def refs(value) -> set[str]:
+    """Logical ids a CloudFormation expression refers to."""
+    found: set[str] = set()
+    if isinstance(value, dict):
+        if "Ref" in value:
+            found.add(value["Ref"])
+        if "Fn::GetAtt" in value:
+            found.add(value["Fn::GetAtt"][0])
+        for v in value.values():
+            found |= refs(v)
+    elif isinstance(value, list):
+        for v in value:
+            found |= refs(v)
+    return found
+
+
+# ------------------------------------------------------------------ assembly
+
+
+def test_both_backends_synthesize_with_nag_clean(synth):
+    assert set(synth.stacks) == {"eks", "sagemaker"}
+    assert (synth.outdir / "SluiceEks.template.json").exists()
+    assert (synth.outdir / "SluiceSageMaker.template.json").exists()
+    report = synth.outdir / "validation-report.json"
+    if report.exists():
+        violations = [v for p in json.loads(report.read_text())["pluginReports"] for v in p["violations"]]
+        assert violations == []
+    print(f"synth of both stacks: {synth.seconds:.1f} s")
+
+
+# ----------------------------------------------------------------------- API
+
+
+def method_paths(template: dict) -> dict[str, tuple[str, dict]]:
+    """{logical id: ("GET /v1/tasks/{task_id}", properties)} for every API method."""
+    api_resources = resources(template, "AWS::ApiGateway::Resource")
+    root = next(iter(resources(template, "AWS::ApiGateway::RestApi")))
+
+    def path(resource_id) -> str:
+        if isinstance(resource_id, dict) and resource_id.get("Fn::GetAtt", [None])[0] == root:
+            return ""
+        logical = resource_id["Ref"]
+        props = api_resources[logical]["Properties"]
+        return path(props["ParentId"]) + "/" + props["PathPart"]
+
+    return {
+        k: (f"{v['Properties']['HttpMethod']} {path(v['Properties']['ResourceId']) or '/'}", v["Properties"])
+        for k, v in resources(template, "AWS::ApiGateway::Method").items()
+    }
+
+
+def test_every_route_but_health_requires_an_api_key(synth, backend):
+    methods = method_paths(synth.raw[backend])
+    routes = {route: props for route, props in methods.values()}
+    assert set(routes) == {
+        "GET /health",
+        "GET /ready",
+        "GET /v1/models",
+        "POST /v1/tasks",
+        "POST /v1/tasks/batch",
+        "GET /v1/tasks/{task_id}",
+        "DELETE /v1/tasks/{task_id}",
+    }
+    for route, props in routes.items():
+        assert props.get("ApiKeyRequired", False) is (route != "GET /health"), route
+        assert props["Integration"]["Type"] == "AWS_PROXY"
+
+
+def test_bodies_are_validated_against_the_contract(synth, backend):
+    raw = synth.raw[backend]
+    routes = {route: props for route, props in method_paths(raw).values()}
+    validators = resources(raw, "AWS::ApiGateway::RequestValidator")
+    models = {m["Properties"]["Name"]: m["Properties"]["Schema"] for m in resources(raw, "AWS::ApiGateway::Model").values()}
+    for route, model in (("POST /v1/tasks", "SubmitRequest"), ("POST /v1/tasks/batch", "BatchSubmitRequest")):
+        props = routes[route]
+        validator = validators[props["RequestValidatorId"]["Ref"]]["Properties"]
+        assert validator["ValidateRequestBody"] is True
+        assert refs(props["RequestModels"]["application/json"])
+        assert model in models
+    submit = models["SubmitRequest"]
+    assert submit["additionalProperties"] is False
+    assert submit["required"] == ["model", "inputs"]
+    assert submit["properties"]["inputs"]["maxItems"] == 64
+    assert submit["properties"]["priority"]["enum"] == list(PRIORITIES)
+    assert submit["properties"]["deadline_s"]["type"] == ["integer", "null"]
+    batch = models["BatchSubmitRequest"]
+    assert batch["properties"]["tasks"]["items"]["properties"]["inputs"]["items"]["maxLength"] == 8192
+
+
+def test_usage_plans_throttle_and_cap_each_key(synth, backend):
+    plans = resources(synth.raw[backend], "AWS::ApiGateway::UsagePlan")
+    assert plans
+    config = synth.config[backend]
+    for plan, expected in zip(plans.values(), config.usage_plans):
+        props = plan["Properties"]
+        assert props["Throttle"] == {"RateLimit": expected.rate_per_s, "BurstLimit": expected.burst}
+        assert props["Quota"] == {"Limit": expected.quota_per_day, "Period": "DAY"}
+        assert props["ApiStages"]
+
+
+def test_stage_traces_and_logs_access(synth, backend):
+    synth.templates[backend].has_resource_properties(
+        "AWS::ApiGateway::Stage",
+        {
+            "TracingEnabled": True,
+            "AccessLogSetting": {"DestinationArn": Match.any_value(), "Format": Match.string_like_regexp("apiKeyId")},
+            "MethodSettings": Match.array_with([Match.object_like({"LoggingLevel": "ERROR", "MetricsEnabled": True})]),
+        },
+    )
+
+
+def test_api_lambda_runs_the_app_with_gateway_auth(synth, backend):
+    functions = resources(synth.raw[backend], "AWS::Lambda::Function")
+    (api,) = [f for f in functions.values() if f["Properties"].get("Handler") == "lambdas.api.handler.handler"]
+    env = api["Properties"]["Environment"]["Variables"]
+    assert env["SLUICE_AUTH_MODE"] == "apigateway"
+    for name in ("SLUICE_TASKS_TABLE", "SLUICE_BUCKET", *(f"SLUICE_QUEUE_URL_{p.upper()}" for p in PRIORITIES)):
+        assert refs(env[name]), name
+    assert api["Properties"]["TracingConfig"] == {"Mode": "Active"}
+    assert api["Properties"]["Layers"]
+
+
+def test_lambda_bundle_has_no_torch():
+    from cdk import bundling
+
+    layer, code = bundling.build()
+    packages = {p.name.lower() for p in (layer / "python").iterdir()}
+    assert "torch" not in packages and not any(p.startswith("torch-") for p in packages)
+    assert {"fastapi", "mangum", "pydantic", "aws_lambda_powertools", "aws_xray_sdk"} <= packages
+    assert "boto3" not in packages  # the runtime's own
+    assert (code / "lambdas" / "api" / "handler.py").exists()
+    assert (code / "lambdas" / "dispatcher" / "handler.py").exists()
+    assert sorted(p.name for p in (code / "models").iterdir()) == ["__init__.py", "base.py", "registry.py"]
+
+
+# -------------------------------------------------------------------- queues
+
+
+def test_three_queues_and_three_dlqs_with_max_receive_count_3(synth, backend):
+    raw = synth.raw[backend]
+    queues = resources(raw, "AWS::SQS::Queue")
+    assert len(queues) == 6
+    main = {k: v for k, v in queues.items() if "RedrivePolicy" in v["Properties"]}
+    dlqs = {k for k in queues if k not in main}
+    assert len(main) == 3 and len(dlqs) == 3
+    assert {v["Properties"]["QueueName"] for v in main.values()} == {f"sluice-{p}" for p in PRIORITIES}
+    targets = set()
+    for q in main.values():
+        policy = q["Properties"]["RedrivePolicy"]
+        assert policy["maxReceiveCount"] == 3
+        targets |= refs(policy["deadLetterTargetArn"])
+        assert q["Properties"]["VisibilityTimeout"] == synth.config[backend].visibility_timeout_s
+    assert targets == dlqs
+
+
+def test_queue_visibility_covers_the_longest_batch(synth, backend):
+    config = synth.config[backend]
+    assert config.visibility_timeout_s > config.longest_batch_s
+    if backend == "sagemaker":
+        functions = resources(synth.raw[backend], "AWS::Lambda::Function")
+        (dispatcher,) = [f for f in functions.values() if "dispatcher" in f["Properties"].get("Handler", "")]
+        assert config.longest_batch_s < dispatcher["Properties"]["Timeout"] <= config.visibility_timeout_s
+
+
+def test_queues_only_accept_tls(synth, backend):
+    raw = synth.raw[backend]
+    queues = set(resources(raw, "AWS::SQS::Queue"))
+    covered = set()
+    for policy in resources(raw, "AWS::SQS::QueuePolicy").values():
+        statements = policy["Properties"]["PolicyDocument"]["Statement"]
+        assert any(
+            s["Effect"] == "Deny" and s["Condition"] == {"Bool": {"aws:SecureTransport": "false"}} for s in statements
+        )
+        covered |= refs(policy["Properties"]["Queues"])
+    assert covered == queues
+
+
+# ---------------------------------------------------------------- encryption
+
+
+def test_encryption_everywhere(synth, backend):
+    raw = synth.raw[backend]
+    for q in resources(raw, "AWS::SQS::Queue").values():
+        assert q["Properties"].get("SqsManagedSseEnabled") is True or "KmsMasterKeyId" in q["Properties"]
+    for t in resources(raw, "AWS::DynamoDB::Table").values():
+        assert t["Properties"]["SSESpecification"]["SSEEnabled"] is True
+    for b in resources(raw, "AWS::S3::Bucket").values():
+        assert b["Properties"]["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+        assert b["Properties"]["PublicAccessBlockConfiguration"] == {
+            "BlockPublicAcls": True, "BlockPublicPolicy": True, "IgnorePublicAcls": True, "RestrictPublicBuckets": True,
+        }
+    for policy in resources(raw, "AWS::S3::BucketPolicy").values():
+        assert any(
+            s["Effect"] == "Deny" and s.get("Condition") == {"Bool": {"aws:SecureTransport": "false"}}
+            for s in policy["Properties"]["PolicyDocument"]["Statement"]
+        )
+    for topic in resources(raw, "AWS::SNS::Topic").values():
+        assert refs(topic["Properties"]["KmsMasterKeyId"])
+    for key in resources(raw, "AWS::KMS::Key").values():
+        assert key["Properties"]["EnableKeyRotation"] is True
+
+
+def test_tasks_table_and_bucket_lifecycle(synth, backend):
+    raw = synth.raw[backend]
+    tables = list(resources(raw, "AWS::DynamoDB::Table").values())
+    (tasks,) = [t for t in tables if t["Properties"]["KeySchema"][0]["AttributeName"] == "task_id"]
+    (keys,) = [t for t in tables if t["Properties"]["KeySchema"][0]["AttributeName"] == "key_hash"]
+    props = tasks["Properties"]
+    assert props["BillingMode"] == "PAY_PER_REQUEST"
+    assert props["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"] is True
+    assert props["TimeToLiveSpecification"] == {"AttributeName": "expires_at", "Enabled": True}
+    assert keys["Properties"]["BillingMode"] == "PAY_PER_REQUEST"
+    ttl_days = synth.config[backend].result_ttl_days
+    expiries = [
+        rule.get("ExpirationInDays")
+        for b in resources(raw, "AWS::S3::Bucket").values()
+        for rule in b["Properties"].get("LifecycleConfiguration", {}).get("Rules", [])
+    ]
+    assert ttl_days in expiries
+
+
+# ------------------------------------------------------------- observability
+
+
+def test_dashboard_and_alarms(synth, backend):
+    raw = synth.raw[backend]
+    assert len(resources(raw, "AWS::CloudWatch::Dashboard")) == 1
+    body = json.dumps(next(iter(resources(raw, "AWS::CloudWatch::Dashboard").values()))["Properties"]["DashboardBody"])
+    for metric in (
+        "ApproximateNumberOfMessagesVisible", "ApproximateAgeOfOldestMessage", "5XXError", "4XXError", "Latency",
+        "Throttles", "Errors", "Duration", "BatchSize", "InferenceLatency", "Throughput", "GpuUtilization",
+        "GpuMemoryUsed", "TasksSucceeded", "TaskAttemptsFailed",
+    ):
+        assert metric in body, metric
+    alarms = list(resources(raw, "AWS::CloudWatch::Alarm").values())
+    (topic,) = resources(raw, "AWS::SNS::Topic")
+    for alarm in alarms:
+        assert refs(alarm["Properties"]["AlarmActions"]) == {topic}
+    described = " ".join(a["Properties"]["AlarmDescription"] for a in alarms)
+    for p in PRIORITIES:
+        assert f"The {p} dead-letter queue" in described
+        assert f"A {p} task has waited over" in described
+    assert "5xx" in described and "p99 latency" in described
+    dlq_alarms = [a for a in alarms if "dead-letter" in a["Properties"]["AlarmDescription"]]
+    assert all(a["Properties"]["Threshold"] == 0 for a in dlq_alarms)
+    assert all(a["Properties"]["ComparisonOperator"] == "GreaterThanThreshold" for a in dlq_alarms)
+
+
+# ----------------------------------------------------------------------- IAM
+
+
+def policy_statements(raw: dict):
+    for logical, res in raw["Resources"].items():
+        if res["Type"] == "AWS::IAM::Policy":
+            for s in res["Properties"]["PolicyDocument"]["Statement"]:
+                yield logical, s
+        if res["Type"] == "AWS::IAM::Role":
+            for policy in res["Properties"].get("Policies", []):
+                for s in policy["PolicyDocument"]["Statement"]:
+                    yield logical, s
+
+
+def test_data_grants_are_scoped_to_the_stacks_own_resources(synth, backend):
+    raw = synth.raw[backend]
+    own = {k for k, v in raw["Resources"].items() if v["Type"] in OWN_DATA_TYPES}
+    checked = 0
+    for logical, statement in policy_statements(raw):
+        actions = as_list(statement["Action"])
+        data = [a for a in actions if a.startswith(DATA_SERVICES) or a == "*"]
+        if not data or statement["Effect"] != "Allow":
+            continue
+        checked += 1
+        assert not any("*" in a for a in data), (logical, data)
+        for resource in as_list(statement["Resource"]):
+            assert resource != "*", (logical, data)
+            assert refs(resource) and refs(resource) <= own, (logical, resource)
+    assert checked >= 3
+
+
+def test_no_wildcard_actions_on_data_services_anywhere(synth, backend):
+    for logical, statement in policy_statements(synth.raw[backend]):
+        for action in as_list(statement["Action"]):
+            if action.startswith(DATA_SERVICES):
+                assert "*" not in action, (logical, action)
+
+
+# ----------------------------------------------------------------------- EKS
+
+
+def manifests(raw: dict) -> str:
+    return json.dumps(
+        [r["Properties"]["Manifest"] for r in resources(raw, "Custom::AWSCDK-EKS-KubernetesResource").values()]
+    )
+
+
+def test_eks_gpu_nodegroup_and_worker_deployment(synth):
+    raw = synth.raw["eks"]
+    config = synth.config["eks"]
+    groups = [g["Properties"] for g in resources(raw, "AWS::EKS::Nodegroup").values()]
+    (gpu,) = [g for g in groups if "NVIDIA" in g["AmiType"]]
+    assert gpu["InstanceTypes"] == list(config.gpu_instance_types)
+    assert gpu["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": "nvidia.com/gpu", "Value": "true"}]
+    text = manifests(raw)
+    for kind in ("Namespace", "ServiceAccount", "Deployment", "PodDisruptionBudget", "ScaledObject", "TriggerAuthentication"):
+        assert f'\\"kind\\":\\"{kind}\\"' in text, kind
+    grace = int(re.search(r'terminationGracePeriodSeconds\\":(\d+)', text).group(1))
+    assert grace > config.longest_batch_s
+    assert re.search(r'minReplicaCount\\":0\b', text)
+    assert text.count("aws-sqs-queue") == 3
+    assert '\\"nvidia.com/gpu\\":\\"1\\"' in text
+    assert "eks.amazonaws.com/role-arn" in text
+    charts = {c["Properties"]["Chart"] for c in resources(raw, "Custom::AWSCDK-EKS-HelmChart").values()}
+    assert charts == {"keda", "cluster-autoscaler"}
+
+
+def test_eks_cluster_is_private_and_logs_everything(synth):
+    (cluster,) = resources(synth.raw["eks"], "AWS::EKS::Cluster").values()
+    props = cluster["Properties"]
+    assert props["ResourcesVpcConfig"]["EndpointPublicAccess"] is False
+    assert props["ResourcesVpcConfig"]["EndpointPrivateAccess"] is True
+    types = {t["Type"] for t in props["Logging"]["ClusterLogging"]["EnabledTypes"]}
+    assert types == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
+    assert props["EncryptionConfig"][0]["Resources"] == ["secrets"]
+
+
+def test_irsa_roles_trust_one_service_account_each(synth):
+    raw = synth.raw["eks"]
+    (oidc,) = resources(raw, "AWS::IAM::OIDCProvider")
+    federated = [
+        r for r in resources(raw, "AWS::IAM::Role").values()
+        if any(refs(s["Principal"].get("Federated")) == {oidc} for s in r["Properties"]["AssumeRolePolicyDocument"]["Statement"])
+    ]
+    assert len(federated) == 4  # worker, KEDA, Cluster Autoscaler, CloudWatch agent
+    for role in federated:
+        (statement,) = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+        assert statement["Action"] == "sts:AssumeRoleWithWebIdentity"
+        assert "StringEquals" in statement["Condition"]
+
+
+# ----------------------------------------------------------------- SageMaker
+
+
+def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
+    raw = synth.raw["sagemaker"]
+    config = synth.config["sagemaker"]
+    (model,) = resources(raw, "AWS::SageMaker::Model").values()
+    assert model["Properties"]["EnableNetworkIsolation"] is True
+    (endpoint_config,) = resources(raw, "AWS::SageMaker::EndpointConfig").values()
+    (variant,) = endpoint_config["Properties"]["ProductionVariants"]
+    assert variant["InstanceType"] == config.sagemaker_instance_type
+    assert len(resources(raw, "AWS::SageMaker::Endpoint")) == 1
+    (target,) = resources(raw, "AWS::ApplicationAutoScaling::ScalableTarget").values()
+    assert target["Properties"]["MinCapacity"] == config.min_instances
+    assert target["Properties"]["MaxCapacity"] == config.max_instances
+    assert target["Properties"]["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
+    assert len(resources(raw, "AWS::ApplicationAutoScaling::ScalingPolicy")) == 1
+
+    mappings = [m["Properties"] for m in resources(raw, "AWS::Lambda::EventSourceMapping").values()]
+    assert len(mappings) == 3
+    assert sorted(m["ScalingConfig"]["MaximumConcurrency"] for m in mappings) == sorted(
+        config.dispatcher_max_concurrency.values()
+    )
+    for m in mappings:
+        assert m["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+        assert m["MaximumBatchingWindowInSeconds"] == config.dispatcher_batching_window_s
+        assert m["BatchSize"] == config.dispatcher_batch_size
+
+    invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
+    (statement,) = invoke
+    assert refs(statement["Resource"]) == set(resources(raw, "AWS::SageMaker::Endpoint"))
