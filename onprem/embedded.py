@@ -1,6 +1,7 @@
 """The embedded profile: the whole service on one machine, no Docker.
 
-Starts moto server (the AWS emulator) on 127.0.0.1, creates queues, tables and
+Starts moto server (the AWS emulator) on 127.0.0.1 (optionally LocalStack core
+for SQS alone, SLUICE_EMBEDDED_SQS=localstack), creates queues, tables and
 the bucket, registers a demo API key, then runs the API and the workers with
 the same entrypoints the container images use (containers/*/main.py), as
 processes. Ctrl-C or SIGTERM stops workers first (they finish their batch),
@@ -32,10 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout_s: float, ok=(200,)) -> None:
+def wait_http(url: str, timeout_s: float, ok=(200,), alive: subprocess.Popen | None = None) -> None:
+    """Poll until the URL answers; gives up early if `alive` (the server) has exited."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
+        if alive is not None and alive.poll() is not None:
+            raise RuntimeError(f"the process serving {url} exited with {alive.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status in ok:
@@ -46,14 +50,39 @@ def wait_http(url: str, timeout_s: float, ok=(200,)) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s}s ({last})")
 
 
-def emulator_env(port: int) -> dict[str, str]:
-    return {
+def emulator_env(port: int, sqs_url: str | None = None) -> dict[str, str]:
+    env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "embedded",
         "AWS_SECRET_ACCESS_KEY": "embedded",
         "AWS_REGION": "us-east-1",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+    if sqs_url:
+        env["AWS_ENDPOINT_URL_SQS"] = sqs_url
+    return env
+
+
+LOCALSTACK_PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
+
+
+def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
+    """LocalStack core in host mode (no Docker, no auth token), SQS only, loopback only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SLUICE_"))}
+    env.update({
+        "OVERRIDE_IN_DOCKER": "0",
+        "GATEWAY_SERVER": "hypercorn",  # the default server ignores GATEWAY_LISTEN and binds 0.0.0.0
+        "GATEWAY_LISTEN": f"127.0.0.1:{port}",
+        "LOCALSTACK_HOST": f"127.0.0.1:{port}",
+        "SERVICES": "sqs",
+        "SQS_ENDPOINT_STRATEGY": "off",
+        "DNS_ADDRESS": "0",
+        "DISABLE_EVENTS": "1",
+        "SKIP_SSL_CERT_DOWNLOAD": "1",
+        "FILESYSTEM_ROOT": str(data_dir),
+        "LOCALSTACK_VOLUME_DIR": str(data_dir),
+    })
+    return env
 
 
 @dataclass
@@ -63,6 +92,10 @@ class Stack:
     api_port: int
     workers: int = 2
     emulator_port: int = 0
+    # "moto" or "localstack": moto's SQS slows as a queue grows, LocalStack's stays
+    # flat (docs/benchmarks.md); DynamoDB and S3 stay on moto either way.
+    sqs: str = field(default_factory=lambda: os.environ.get("SLUICE_EMBEDDED_SQS", "moto"))
+    sqs_port: int = 0
     env_overrides: dict[str, str] = field(default_factory=dict)
     log_dir: Path = STATE_DIR / "logs"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -73,18 +106,23 @@ class Stack:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
-        env.update(emulator_env(self.emulator_port))
+        env.update(emulator_env(self.emulator_port, self.sqs_url))
         env.setdefault("SLUICE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.workers))))
         env["PYTHONUNBUFFERED"] = "1"
+        env["SLUICE_PORT"] = str(self.api_port)
         env.update(self.env_overrides)
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    @property
+    def sqs_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.sqs_port}" if self.sqs == "localstack" and self.sqs_port else None
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
         # Own process group: Ctrl-C in the terminal reaches the launcher only,
         # which then stops each child in order.
-        proc = subprocess.Popen(args, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)
         self.procs[name] = proc
         return proc
@@ -92,8 +130,20 @@ class Stack:
     def start_emulator(self) -> None:
         self.emulator_port = self.emulator_port or free_port()
         moto = Path(sys.executable).with_name("moto_server")
-        self._spawn("emulator", [str(moto), "-H", "127.0.0.1", "-p", str(self.emulator_port)])
-        wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30)
+        proc = self._spawn("emulator", [str(moto), "-H", "127.0.0.1", "-p", str(self.emulator_port)])
+        sqs = self.start_localstack() if self.sqs == "localstack" else None
+        wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
+        if sqs is not None:
+            wait_http(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
+
+    def start_localstack(self) -> subprocess.Popen:
+        if not LOCALSTACK_PYTHON.exists():
+            raise RuntimeError(f"{LOCALSTACK_PYTHON} is missing: `make install` creates it")
+        self.sqs_port = self.sqs_port or free_port()
+        data_dir = self.log_dir / "localstack-data"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        return self._spawn("sqs", [str(LOCALSTACK_PYTHON), "-m", "localstack.runtime.main"],
+                           env=localstack_env(self.sqs_port, data_dir))
 
     def bootstrap(self) -> None:
         saved = dict(os.environ)
@@ -120,14 +170,13 @@ class Stack:
             os.environ.update(saved)
 
     def start_api(self) -> None:
-        self._spawn("api", [sys.executable, "containers/api/main.py"])
-        wait_http(f"{self.url}/health", 60)
+        proc = self._spawn("api", [sys.executable, "containers/api/main.py"])
+        wait_http(f"{self.url}/health", 60, alive=proc)
 
     def start_worker(self, index: int) -> subprocess.Popen:
         return self._spawn(f"worker-{index}", [sys.executable, "containers/worker/main.py"])
 
     def start(self) -> None:
-        self.env_overrides.setdefault("SLUICE_PORT", str(self.api_port))
         self.start_emulator()
         self.bootstrap()
         self.start_api()
@@ -156,10 +205,11 @@ class Stack:
             self.stop_process(name)
         self.stop_process("api")
         self.stop_process("emulator", timeout_s=10)
+        self.stop_process("sqs", timeout_s=15)
 
     def write_state(self, api_key: str) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port), "pid": os.getpid()}
+        state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port, self.sqs_url), "pid": os.getpid()}
         STATE_FILE.write_text(json.dumps(state, indent=2))
         STATE_FILE.chmod(0o600)
 

@@ -16,7 +16,7 @@ from botocore.config import Config
 from sluice.settings import Settings
 
 _lock = threading.Lock()
-_clients: dict[tuple[str, str], object] = {}
+_clients: dict[tuple, object] = {}
 
 
 def client_config(settings: Settings) -> Config:
@@ -35,8 +35,12 @@ def client_config(settings: Settings) -> Config:
 
 
 def client(service: str, settings: Settings):
-    """A shared, thread-safe client per (service, process)."""
-    key = (service, str(os.getpid()))
+    """A shared, thread-safe client per (service, process, endpoint)."""
+    # The endpoint variables are part of the key: a process that talks to one
+    # emulator and then another (tests, the embedded launcher) must not reuse
+    # a client bound to the first.
+    endpoints = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_ENDPOINT_URL")))
+    key = (service, str(os.getpid()), endpoints)
     with _lock:
         if key not in _clients:
             _clients[key] = boto3.session.Session().client(service, config=client_config(settings))
