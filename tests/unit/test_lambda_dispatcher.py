@@ -1,0 +1,252 @@
+"""The SageMaker dispatcher Lambda, driven by real SQS event-source events.
+
+Tasks are submitted through the real TaskService into a moto server
+(tests/conftest.py), their messages received from moto's SQS and handed to the
+handler exactly as Lambda's SQS event source shapes them. The endpoint is the
+real containers/sagemaker/serve.py Endpoint (with the synthetic model) behind a
+stand-in for the SageMaker runtime API, reached through boto3's
+AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import boto3
+import pytest
+
+from containers.sagemaker.serve import Endpoint, RequestError
+from models.synthetic import SyntheticModel
+from sluice.adapters.task_store import TaskStore
+from sluice.api.service import TaskService
+from sluice.contract import Priority, SubmitRequest, TaskStatus
+from sluice.settings import Settings
+
+ENDPOINT = "sluice-endpoint"
+
+
+@dataclass
+class LambdaContext:
+    function_name: str = "sluice-dispatcher"
+    memory_limit_in_mb: int = 512
+    invoked_function_arn: str = "arn:aws:lambda:us-east-1:123456789012:function:sluice-dispatcher"
+    aws_request_id: str = "req"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 90_000
+
+
+class SageMakerRuntime(BaseHTTPRequestHandler):
+    """POST /endpoints/{name}/invocations, answered by serve.py's Endpoint.
+
+    Container errors come back the way the runtime reports them: HTTP 424,
+    error type ModelError, the container's status and body in the message.
+    An unknown endpoint name answers 503, as an endpoint that is not in service.
+    """
+
+    endpoint = Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
+    calls: list[dict] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        match = re.fullmatch(r"/endpoints/([^/]+)/invocations", self.path)
+        if not match or match.group(1) != ENDPOINT:
+            return self._send(503, {"message": "endpoint not in service"}, "ServiceUnavailable")
+        self.calls.append(json.loads(body))
+        try:
+            return self._send(200, self.endpoint.invoke(body, self.headers.get("Content-Type")))
+        except RequestError as err:
+            original = json.dumps({"error": {"code": err.code, "message": err.message}})
+            message = f"Received client error ({err.status.value}) from primary with message \"{original}\"."
+            return self._send(424, {"message": message, "OriginalStatusCode": err.status.value}, "ModelError")
+
+    def _send(self, status: int, payload: dict, error_type: str | None = None):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if error_type:
+            self.send_header("X-Amzn-ErrorType", error_type)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def runtime_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SageMakerRuntime)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def dispatch(settings, runtime_url, monkeypatch):
+    """Returns run(event) -> response, with the handler configured as the stack configures it."""
+    env = {
+        "AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME": runtime_url,
+        "SLUICE_SAGEMAKER_ENDPOINT": ENDPOINT,
+        "SLUICE_INVOKE_TIMEOUT_S": "10",
+        "SLUICE_TASKS_TABLE": settings.tasks_table,
+        "SLUICE_BUCKET": settings.bucket,
+        "SLUICE_MAX_ATTEMPTS": "3",
+        "SLUICE_MODELS": "synthetic",
+        "POWERTOOLS_METRICS_NAMESPACE": "Sluice",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import lambdas.dispatcher.handler as module
+
+    module = importlib.reload(module)  # a cold start: settings and clients from this environment
+
+    def run(event):
+        return module.handler(event, LambdaContext())
+
+    run.module = module
+    return run
+
+
+def submit(settings, *requests: dict, service_settings: Settings | None = None) -> list[str]:
+    service = TaskService(service_settings or settings)
+    return [service.submit("tenant-a", SubmitRequest(**r), None).task_id for r in requests]
+
+
+def sqs_event(settings, want: int, priority: Priority = Priority.normal, receive_count: int | None = None) -> dict:
+    """Receive `want` messages from the queue and shape them as Lambda's SQS event source does."""
+    sqs = boto3.client("sqs")
+    url = sqs.get_queue_url(QueueName=settings.queue_name(priority))["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    messages: list[dict] = []
+    deadline = time.monotonic() + 10
+    while len(messages) < want and time.monotonic() < deadline:
+        messages += sqs.receive_message(
+            QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1, VisibilityTimeout=60,
+            MessageSystemAttributeNames=["All"],
+        ).get("Messages", [])
+    assert len(messages) == want
+    records = []
+    for m in messages:
+        attributes = dict(m["Attributes"])
+        if receive_count is not None:
+            attributes["ApproximateReceiveCount"] = str(receive_count)
+        records.append({
+            "messageId": m["MessageId"],
+            "receiptHandle": m["ReceiptHandle"],
+            "body": m["Body"],
+            "attributes": attributes,
+            "messageAttributes": {},
+            "md5OfBody": m["MD5OfBody"],
+            "eventSource": "aws:sqs",
+            "eventSourceARN": arn,
+            "awsRegion": "us-east-1",
+        })
+    return {"Records": records}
+
+
+def failed_ids(response: dict) -> set[str]:
+    return {f["itemIdentifier"] for f in response["batchItemFailures"]}
+
+
+def message_ids(event: dict, task_ids: list[str]) -> set[str]:
+    return {r["messageId"] for r in event["Records"] if json.loads(r["body"])["task_id"] in task_ids}
+
+
+def test_a_batch_succeeds_and_every_message_is_released(dispatch, settings):
+    ids = submit(settings, *({"model": "synthetic", "inputs": [f"text {i}", "more"]} for i in range(4)))
+    response = dispatch(sqs_event(settings, 4))
+    assert response == {"batchItemFailures": []}
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.succeeded
+        assert len(json.loads(record.result_json)["outputs"]) == 2
+        assert record.attempts == 1 and record.batch_size == 2 and record.model_version == "1"
+        assert record.started_at >= record.created_at and record.finished_at >= record.started_at
+
+
+def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispatch, settings):
+    good = submit(settings, *({"model": "synthetic", "inputs": [f"ok {i}"]} for i in range(3)))
+    bad = submit(settings, {"model": "synthetic", "inputs": ["boom !fail"]})
+    event = sqs_event(settings, 4)
+    response = dispatch(event)
+    assert failed_ids(response) == message_ids(event, bad)
+    store = TaskStore(settings)
+    assert all(store.get(t).status == TaskStatus.succeeded for t in good)
+    poisoned = store.get(bad[0])
+    assert poisoned.status == TaskStatus.running and poisoned.error_code == "model_error"
+    assert "!fail" in poisoned.error_message
+
+    # Its third delivery: the record becomes failed, and the message is still
+    # reported so that SQS moves it to the dead-letter queue.
+    boto3.client("sqs").change_message_visibility(
+        QueueUrl=boto3.client("sqs").get_queue_url(QueueName=settings.queue_name(Priority.normal))["QueueUrl"],
+        ReceiptHandle=event["Records"][[json.loads(r["body"])["task_id"] for r in event["Records"]].index(bad[0])]["receiptHandle"],
+        VisibilityTimeout=0,
+    )
+    last = sqs_event(settings, 1, receive_count=3)
+    assert failed_ids(dispatch(last)) == message_ids(last, bad)
+    final = store.get(bad[0])
+    assert final.status == TaskStatus.failed and final.attempts == 2 and final.finished_at
+
+
+def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
+    cancelled, expired = submit(
+        settings,
+        {"model": "synthetic", "inputs": ["c"]},
+        {"model": "synthetic", "inputs": ["e"], "deadline_s": 1},
+    )
+    TaskService(settings).cancel("tenant-a", cancelled)
+    event = sqs_event(settings, 2)
+    for record in event["Records"]:  # let the deadline pass without waiting for it
+        body = json.loads(record["body"])
+        if body["task_id"] == expired:
+            body["deadline_at"] = body["enqueued_at"] - 1
+            record["body"] = json.dumps(body)
+    event["Records"].append({**event["Records"][0], "messageId": str(uuid.uuid4()), "body": "not a task"})
+    SageMakerRuntime.calls.clear()
+    assert dispatch(event) == {"batchItemFailures": []}
+    assert SageMakerRuntime.calls == []
+    store = TaskStore(settings)
+    assert store.get(cancelled).status == TaskStatus.cancelled
+    assert store.get(expired).status == TaskStatus.expired
+
+
+def test_large_inputs_and_results_go_through_the_bucket(dispatch, settings, monkeypatch):
+    monkeypatch.setenv("SLUICE_INLINE_RESULT_MAX_BYTES", "64")
+    dispatch.module._dispatcher = None  # a cold start with the smaller limit
+    small_inline = settings.model_copy(update={"inline_payload_max_bytes": 16})
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["a" * 100, "b" * 100]},
+                        service_settings=small_inline)
+    event = sqs_event(settings, 1)
+    assert json.loads(event["Records"][0]["body"])["inputs_key"]  # a claim check, not inline inputs
+    assert dispatch(event) == {"batchItemFailures": []}
+    record = TaskStore(settings).get(task_id)
+    assert record.status == TaskStatus.succeeded and record.result_json is None
+    stored = json.loads(boto3.client("s3").get_object(Bucket=settings.bucket, Key=record.result_key)["Body"].read())
+    assert [o["length"] for o in stored["outputs"]] == [100, 100]
+
+
+def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, settings, monkeypatch):
+    monkeypatch.setenv("SLUICE_SAGEMAKER_ENDPOINT", "an-endpoint-that-is-down")
+    dispatch.module._dispatcher = None
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
+    event = sqs_event(settings, 2)
+    response = dispatch(event)
+    assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.running and record.attempts == 1
+        assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
