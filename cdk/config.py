@@ -53,7 +53,7 @@ class SluiceConfig:
         UsagePlan("standard", rate_per_s=50, burst=100, quota_per_day=1_000_000),
     )
     api_memory_mb: int = 1024
-    stage_name: str = "v1"
+    stage_name: str = "prod"  # the URL is ./prod/v1/tasks: the API versions its own paths
     waf: bool = True
     waf_rate_limit_per_5min: int = 20_000
 

@@ -19,10 +19,13 @@ from cdk.storage_construct import Storage
 from cdk.workers_eks_construct import EksWorkers
 from cdk.workers_sagemaker_construct import VARIANT, SageMakerWorkers
 
-# Never part of the worker image's build context.
+# Never part of the worker image's build context (on top of .dockerignore), so
+# that the image asset's hash, and a rebuild, follow only what the image uses.
+# README.md stays: pip reads it while installing the project from pyproject.toml.
 IMAGE_EXCLUDES = [
     ".git", ".venv", ".venv-*", "cdk.out", "build", ".sluice", ".pytest_cache",
     "**/__pycache__", "*.pyc", "tests", "bench", "docs", "cdk", "lambdas",
+    "app.py", "cdk.json", "Makefile", ".gitignore",
 ]
 
 

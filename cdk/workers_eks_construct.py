@@ -154,7 +154,8 @@ class EksWorkers(Construct):
                         "serviceAccountName": WORKER,
                         # SIGTERM -> finish the batch in hand -> exit; never cut short.
                         "terminationGracePeriodSeconds": config.termination_grace_s,
-                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                        # The image runs as uid 10001 (numeric, so the kubelet can verify it).
+                        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                         "nodeSelector": {"sluice/role": "gpu-worker"},
                         "tolerations": [{"key": GPU_TAINT, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
                         "containers": [
