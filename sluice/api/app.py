@@ -5,12 +5,15 @@
 import logging
 import threading
 import time
+import traceback
 from typing import Annotated
 
 from botocore.exceptions import BotoCoreError, ClientError
-from fastapi import Depends, FastAPI, Header, Path, Request
+from fastapi import Depends, FastAPI, Header, Path, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import APIKeyHeader
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice import __version__
 from sluice.adapters.api_keys import ApiKeys
@@ -36,6 +39,7 @@ _ERRORS = {
     s: {"model": ErrorResponse}
     for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
+_HTTP_CODES = {400: "malformed_body", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 TaskId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 IdempotencyKey = Annotated[
     str | None,
@@ -46,6 +50,11 @@ IdempotencyKey = Annotated[
         description="Makes a retried submit return the task the first call created.",
     ),
 ]
+
+
+# A security scheme rather than a plain header parameter, so that the OpenAPI
+# document tells clients (and schemathesis) how to authenticate.
+API_KEY = APIKeyHeader(name="x-api-key", auto_error=False, description="A key from `sluice keys create`.")
 
 
 class TokenBucket:
@@ -142,6 +151,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        # The framework's own errors (a body that is not UTF-8, an unknown
+        # route, a wrong method) in the same error contract as ours.
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        err = ApiError(exc.status_code, code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         return _validation_error(exc)
@@ -154,7 +171,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         err = unavailable("a dependency")
         return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
-    def tenant(request: Request, x_api_key: Annotated[str | None, Header(alias="x-api-key")] = None) -> str:
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # A bug, not a client error. The client gets the error contract, never a
+        # stack trace; the log gets where it happened but not the exception's
+        # message, which may quote the request's payload.
+        where = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)[-5:]))
+        log.error("unhandled %s\n%s", type(exc).__name__, where)
+        err = ApiError(500, "internal_error", "the request failed unexpectedly; it is safe to retry")
+        return JSONResponse(err.body(), status_code=500)
+
+    def tenant(request: Request, x_api_key: Annotated[str | None, Security(API_KEY)] = None) -> str:
         if settings.auth_mode == "apigateway":
             event = request.scope.get("aws.event") or {}
             key_id = (event.get("requestContext") or {}).get("identity", {}).get("apiKeyId")
