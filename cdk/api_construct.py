@@ -17,9 +17,10 @@ from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
 from pydantic import BaseModel
 
+from cdk import access
 from cdk.config import SluiceConfig
 from cdk.functions import LambdaCode, PythonFunction
-from cdk.queues_construct import SEND, Queues
+from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 from sluice.contract import BatchSubmitRequest, SubmitRequest
 
@@ -73,10 +74,10 @@ class Api(Construct):
             },
         )
         fn = self.handler.function
-        storage.grant_tasks(fn, write=True)
-        storage.grant_objects(fn, read=True, write=True)  # claim checks in, presigned results out
-        storage.grant_bucket_probe(fn)
-        queues.grant(fn, SEND)
+        storage.grant_tasks(fn, access.API_TASKS)
+        storage.grant_objects(fn, access.API_OBJECTS)
+        storage.grant_bucket(fn, access.API_BUCKET)
+        queues.grant(fn, access.API_QUEUES)
 
         self.access_logs = logs.LogGroup(
             self, "AccessLogs", retention=logs.RetentionDays.ONE_YEAR, removal_policy=RemovalPolicy.RETAIN

@@ -10,15 +10,6 @@ from constructs import Construct
 from cdk.config import PRIORITIES, SluiceConfig
 from sluice.bootstrap import MAX_RECEIVE_COUNT
 
-SEND = ["sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"]
-CONSUME = [
-    "sqs:ReceiveMessage",
-    "sqs:DeleteMessage",
-    "sqs:ChangeMessageVisibility",
-    "sqs:GetQueueAttributes",
-    "sqs:GetQueueUrl",
-]
-
 
 class Queues(Construct):
     def __init__(self, scope: Construct, id: str, *, config: SluiceConfig) -> None:

@@ -10,11 +10,6 @@ from constructs import Construct
 
 from cdk.config import SluiceConfig
 
-# Exactly the calls sluice.adapters make; no wildcard actions (see grant_* below).
-TASKS_READ = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:DescribeTable"]
-# TransactWriteItems is authorized per item as PutItem/UpdateItem/ConditionCheckItem.
-TASKS_WRITE = ["dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem", "dynamodb:ConditionCheckItem"]
-
 
 class Storage(Construct):
     def __init__(self, scope: Construct, id: str, *, config: SluiceConfig) -> None:
@@ -79,14 +74,13 @@ class Storage(Construct):
         )
 
     # ------------------------------------------------------------ grants
-    def grant_tasks(self, grantee: iam.IGrantable, *, write: bool) -> None:
-        actions = TASKS_READ + (TASKS_WRITE if write else [])
+    # Explicit action lists (cdk.access) instead of grantReadWriteData() and
+    # friends, whose s3:GetObject*-style wildcards cover far more than we call.
+    def grant_tasks(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.tasks.table_arn])
 
-    def grant_objects(self, grantee: iam.IGrantable, *, read: bool = True, write: bool = True) -> None:
-        actions = (["s3:GetObject"] if read else []) + (["s3:PutObject", "s3:DeleteObject"] if write else [])
+    def grant_objects(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.arn_for_objects("*")])
 
-    def grant_bucket_probe(self, grantee: iam.IGrantable) -> None:
-        """HeadBucket (the API's readiness probe) is authorized as s3:ListBucket."""
-        iam.Grant.add_to_principal(grantee=grantee, actions=["s3:ListBucket"], resource_arns=[self.bucket.bucket_arn])
+    def grant_bucket(self, grantee: iam.IGrantable, actions: list[str]) -> None:
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.bucket_arn])

@@ -15,8 +15,9 @@ from aws_cdk import aws_logs as logs
 from aws_cdk.lambda_layer_kubectl_v35 import KubectlV35Layer
 from constructs import Construct
 
+from cdk import access
 from cdk.config import PRIORITIES, SluiceConfig
-from cdk.queues_construct import CONSUME, Queues
+from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 
 NAMESPACE = "sluice"
@@ -111,9 +112,9 @@ class EksWorkers(Construct):
         # IRSA through the IAM-native OIDC provider (no custom resource).
         self.oidc = eks.OidcProviderNative(self, "Oidc", url=cluster.cluster_open_id_connect_issuer_url)
         self.worker_role = self._irsa_role("WorkerRole", NAMESPACE, WORKER)
-        queues.grant(self.worker_role, CONSUME)
-        storage.grant_tasks(self.worker_role, write=True)
-        storage.grant_objects(self.worker_role, read=True, write=True)
+        queues.grant(self.worker_role, access.WORKER_QUEUES)
+        storage.grant_tasks(self.worker_role, access.WORKER_TASKS)
+        storage.grant_objects(self.worker_role, access.WORKER_OBJECTS)
         service_account = {
             "apiVersion": "v1",
             "kind": "ServiceAccount",

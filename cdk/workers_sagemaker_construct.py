@@ -11,6 +11,7 @@ from aws_cdk import aws_lambda_event_sources as sources
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
+from cdk import access
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.functions import LambdaCode, PythonFunction
 from cdk.queues_construct import Queues
@@ -130,8 +131,8 @@ class SageMakerWorkers(Construct):
             },
         )
         fn = self.dispatcher.function
-        storage.grant_tasks(fn, write=True)
-        storage.grant_objects(fn, read=True, write=True)
+        storage.grant_tasks(fn, access.WORKER_TASKS)
+        storage.grant_objects(fn, access.WORKER_OBJECTS)
         fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:InvokeEndpoint"], resources=[self.endpoint.ref]))
         for priority in PRIORITIES:
             # The event source grants exactly ReceiveMessage, DeleteMessage,

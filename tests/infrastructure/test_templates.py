@@ -392,3 +392,39 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
     invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
     (statement,) = invoke
     assert refs(statement["Resource"]) == set(resources(raw, "AWS::SageMaker::Endpoint"))
+
+
+def role_actions(raw: dict, role: str) -> set[str]:
+    actions: set[str] = set()
+    for res in resources(raw, "AWS::IAM::Policy").values():
+        if role in refs(res["Properties"]["Roles"]):
+            for s in res["Properties"]["PolicyDocument"]["Statement"]:
+                actions |= {a for a in as_list(s["Action"]) if a.startswith(DATA_SERVICES)}
+    return actions
+
+
+def function_role(raw: dict, handler: str) -> str:
+    (fn,) = [f for f in resources(raw, "AWS::Lambda::Function").values() if f["Properties"].get("Handler") == handler]
+    (role,) = refs(fn["Properties"]["Role"])
+    return role
+
+
+def test_each_principal_gets_exactly_its_data_actions(synth, backend):
+    from cdk import access
+
+    raw = synth.raw[backend]
+    api = role_actions(raw, function_role(raw, "lambdas.api.handler.handler"))
+    assert api == set(access.API_TASKS + access.API_OBJECTS + access.API_BUCKET + access.API_QUEUES)
+    worker_data = set(access.WORKER_TASKS + access.WORKER_OBJECTS)
+    if backend == "sagemaker":
+        dispatcher = role_actions(raw, function_role(raw, "lambdas.dispatcher.handler.handler"))
+        # Plus what the SQS event source mapping needs to poll (granted by CDK).
+        assert worker_data <= dispatcher
+        assert dispatcher - worker_data <= {
+            "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
+            "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+        }
+    else:
+        consumers = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
+        (worker,) = consumers
+        assert role_actions(raw, worker) == worker_data | set(access.WORKER_QUEUES)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import boto3
 import pytest
+from botocore.client import BaseClient
 
+from cdk import access
 from sluice.contract import Priority
 
 
@@ -193,3 +195,44 @@ def test_models_and_validation_errors_through_the_gateway_event(handler):
         proxy_event("POST", "/v1/tasks", key_id="kid-alpha", body={"model": "synthetic", "inputs": []}),
     )
     assert status == 422 and body["error"]["code"] == "validation_error"
+
+
+@pytest.fixture
+def aws_calls(monkeypatch):
+    """Every AWS call made from here on, as (service, operation): a spy on
+    botocore that lets each call through to the moto server."""
+    calls: set[tuple[str, str]] = set()
+    real = BaseClient._make_api_call
+
+    def recording(client, operation, params):
+        calls.add((client.meta.service_model.endpoint_prefix, operation))
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    return calls
+
+
+def test_the_api_role_allows_every_call_the_handler_makes(handler, settings, monkeypatch, aws_calls):
+    monkeypatch.setenv("SLUICE_INLINE_PAYLOAD_MAX_BYTES", "64")
+    handler = importlib.reload(handler)  # claim checks for anything over 64 bytes
+    aws_calls.clear()
+    kid = "kid-gamma"
+    _, one = call(handler, proxy_event("POST", "/v1/tasks", key_id=kid,
+                                       body={"model": "synthetic", "inputs": ["y" * 200]}))
+    call(handler, proxy_event("POST", "/v1/tasks", key_id=kid, headers={"Idempotency-Key": "k1"},
+                              body={"model": "synthetic", "inputs": ["z"]}))
+    call(handler, proxy_event("POST", "/v1/tasks", key_id=kid, headers={"Idempotency-Key": "k1"},
+                              body={"model": "synthetic", "inputs": ["z"]}))
+    status, _ = call(handler, proxy_event("POST", "/v1/tasks/batch", key_id=kid,
+                                          body={"tasks": [{"model": "synthetic", "inputs": ["a"]},
+                                                          {"model": "synthetic", "inputs": ["b"], "priority": "low"}]}))
+    assert status == 202
+    call(handler, proxy_event("GET", f"/v1/tasks/{one['task_id']}", key_id=kid, resource="/v1/tasks/{task_id}"))
+    call(handler, proxy_event("DELETE", f"/v1/tasks/{one['task_id']}", key_id=kid, resource="/v1/tasks/{task_id}"))
+    status, ready = call(handler, proxy_event("GET", "/ready", key_id=kid))
+    assert status == 200, ready
+
+    granted = set(access.API_TASKS + access.API_OBJECTS + access.API_BUCKET + access.API_QUEUES)
+    used = {access.iam_action(service, op) for service, op in aws_calls}
+    assert {"dynamodb:PutItem", "dynamodb:BatchWriteItem", "sqs:SendMessage", "s3:PutObject"} <= used
+    assert used <= granted, used - granted

@@ -22,7 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
+from botocore.client import BaseClient
 
+from cdk import access
 from containers.sagemaker.serve import Endpoint, RequestError
 from models.synthetic import SyntheticModel
 from sluice.adapters.task_store import TaskStore
@@ -250,3 +252,31 @@ def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, setti
         record = store.get(task_id)
         assert record.status == TaskStatus.running and record.attempts == 1
         assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
+
+
+def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monkeypatch):
+    monkeypatch.setenv("SLUICE_INLINE_RESULT_MAX_BYTES", "64")
+    dispatch.module._dispatcher = None
+    small_inline = settings.model_copy(update={"inline_payload_max_bytes": 16})
+    ids = submit(settings, {"model": "synthetic", "inputs": ["a" * 50, "b" * 50]},
+                 {"model": "synthetic", "inputs": ["bad !fail"]}, service_settings=small_inline)
+    cancelled = submit(settings, {"model": "synthetic", "inputs": ["c"]})[0]
+    TaskService(settings).cancel("tenant-a", cancelled)
+    event = sqs_event(settings, 3)
+
+    calls: set[tuple[str, str]] = set()
+    real = BaseClient._make_api_call
+
+    def recording(client, operation, params):
+        calls.add((client.meta.service_model.endpoint_prefix, operation))
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    dispatch(event)
+    # The event source mapping itself receives and deletes (its grant: WORKER_QUEUES).
+    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + ["sagemaker:InvokeEndpoint"])
+    used = {access.iam_action(service, op) for service, op in calls}
+    assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "s3:GetObject", "s3:PutObject",
+            "sagemaker:InvokeEndpoint"} <= used
+    assert used <= granted, used - granted
+    assert TaskStore(settings).get(ids[0]).result_key

@@ -1,0 +1,53 @@
+"""Exactly which data-plane actions each principal gets: the calls the sluice
+adapters make on its code path, nothing else, never a wildcard.
+
+tests/unit/test_lambda_*.py record the AWS calls the Lambda handlers really
+make (against moto) and check each one against these lists, so a new call in
+the adapters fails a test rather than a deployment.
+"""
+
+from __future__ import annotations
+
+# The API: create/read/cancel tasks, claim-check inputs, presign results,
+# enqueue, read queue depth; /ready describes the table and heads the bucket.
+API_TASKS = [
+    "dynamodb:GetItem",
+    "dynamodb:PutItem",
+    "dynamodb:BatchWriteItem",
+    "dynamodb:UpdateItem",
+    "dynamodb:DeleteItem",
+    "dynamodb:DescribeTable",
+]
+API_OBJECTS = ["s3:PutObject", "s3:GetObject"]  # GetObject: the presigned result URLs are signed as this role
+API_BUCKET = ["s3:ListBucket"]  # HeadBucket
+API_QUEUES = ["sqs:SendMessage", "sqs:GetQueueAttributes"]
+
+# Workers (EKS pods and the SageMaker dispatcher): claim and finish tasks,
+# read claim-checked inputs, write large results.
+WORKER_TASKS = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:UpdateItem"]
+WORKER_OBJECTS = ["s3:GetObject", "s3:PutObject"]
+WORKER_QUEUES = [
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:ChangeMessageVisibility",
+    "sqs:GetQueueAttributes",
+]
+
+# Batch calls are authorized as their single-message action.
+_SQS_BATCH = {
+    "SendMessageBatch": "SendMessage",
+    "DeleteMessageBatch": "DeleteMessage",
+    "ChangeMessageVisibilityBatch": "ChangeMessageVisibility",
+}
+_S3 = {"HeadBucket": "ListBucket", "ListObjectsV2": "ListBucket"}
+
+
+def iam_action(service: str, operation: str) -> str:
+    """The IAM action that authorizes one API call (botocore's operation name)."""
+    if service == "sqs":
+        return f"sqs:{_SQS_BATCH.get(operation, operation)}"
+    if service == "s3":
+        return f"s3:{_S3.get(operation, operation)}"
+    if service in ("runtime.sagemaker", "sagemaker-runtime"):
+        return f"sagemaker:{operation}"
+    return f"{service}:{operation}"
