@@ -83,7 +83,7 @@ class EksWorkers(Construct):
 
         # Small on-demand nodes for CoreDNS, KEDA and the autoscaler; the GPU
         # nodes are tainted so that only workers land there.
-        cluster.add_nodegroup_capacity(
+        self.system_nodes = cluster.add_nodegroup_capacity(
             "System",
             instance_types=[ec2.InstanceType("m6i.large")],
             ami_type=eks.NodegroupAmiType.BOTTLEROCKET_X86_64,
@@ -209,6 +209,8 @@ class EksWorkers(Construct):
             },
             wait=True,
         )
+        # Charts and add-ons wait for their pods, which need the system nodes.
+        keda.node.add_dependency(self.system_nodes)
         trigger_auth = {
             "apiVersion": "keda.sh/v1alpha1",
             "kind": "TriggerAuthentication",
@@ -273,7 +275,7 @@ class EksWorkers(Construct):
                 conditions={"StringEquals": {"aws:ResourceTag/eks:cluster-name": cluster.cluster_name}},
             )
         )
-        cluster.add_helm_chart(
+        autoscaler = cluster.add_helm_chart(
             "ClusterAutoscaler",
             chart="cluster-autoscaler",
             repository="https://kubernetes.github.io/autoscaler",
@@ -294,6 +296,7 @@ class EksWorkers(Construct):
                 "nodeSelector": {"sluice/role": "system"},
             },
         )
+        autoscaler.node.add_dependency(self.system_nodes)
 
         # ------------------------------------------- container insights
         # GPU utilization/memory per node and pod, and the worker logs.
@@ -307,7 +310,7 @@ class EksWorkers(Construct):
             service_account_role_arn=insights_role.role_arn,
             resolve_conflicts="OVERWRITE",
         )
-        insights.node.add_dependency(self.gpu_nodes)
+        insights.node.add_dependency(self.system_nodes)
 
     def _irsa_role(self, id: str, namespace: str, service_account: str) -> iam.Role:
         """A role that exactly one Kubernetes service account may assume (IRSA)."""

@@ -333,8 +333,11 @@ def test_eks_gpu_nodegroup_and_worker_deployment(synth):
     assert text.count("aws-sqs-queue") == 3
     assert '\\"nvidia.com/gpu\\":\\"1\\"' in text
     assert "eks.amazonaws.com/role-arn" in text
-    charts = {c["Properties"]["Chart"] for c in resources(raw, "Custom::AWSCDK-EKS-HelmChart").values()}
-    assert charts == {"keda", "cluster-autoscaler"}
+    charts = resources(raw, "Custom::AWSCDK-EKS-HelmChart")
+    assert {c["Properties"]["Chart"] for c in charts.values()} == {"keda", "cluster-autoscaler"}
+    (system,) = [k for k, g in resources(raw, "AWS::EKS::Nodegroup").items() if "NVIDIA" not in g["Properties"]["AmiType"]]
+    for chart in charts.values():  # their pods need somewhere to run before Helm's wait ends
+        assert system in chart["DependsOn"]
 
 
 def test_eks_cluster_is_private_and_logs_everything(synth):
