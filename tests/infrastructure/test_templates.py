@@ -157,6 +157,31 @@ def test_lambda_bundle_has_no_torch():
     assert sorted(p.name for p in (code / "models").iterdir()) == ["__init__.py", "base.py", "registry.py"]
 
 
+def test_lambda_code_bundle_imports_on_its_own(tmp_path):
+    """Both handlers import from the bundled first-party code alone (not the
+    repository or its editable install), and importing them never loads torch."""
+    import site
+    import subprocess
+    import sys
+
+    from cdk import bundling
+
+    _, code = bundling.build()
+    probe = f"""
+import sys
+sys.path[:0] = [{str(code)!r}] + {site.getsitepackages()!r}
+import lambdas.api.handler, lambdas.dispatcher.handler, sluice, models.registry
+assert sluice.__file__.startswith({str(code)!r}), sluice.__file__
+assert "torch" not in sys.modules
+print("ok")
+"""
+    env = {"AWS_REGION": "us-east-1", "SLUICE_AUTH_MODE": "apigateway", "PATH": "/usr/bin:/bin"}
+    # -S: no site processing, so the editable install's path hook is not loaded.
+    result = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 # -------------------------------------------------------------------- queues
 
 
