@@ -1,0 +1,213 @@
+"""Shared pieces of the benchmarks: emulators, percentiles, the load generator,
+result files. Every benchmark talks to 127.0.0.1 only and is bounded in time."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(os.environ.get("SLUICE_BENCH_RESULTS", ROOT / "bench" / "results"))
+sys.path.insert(0, str(ROOT))
+
+from onprem.embedded import Stack, free_port  # noqa: E402
+
+SENTENCES = [
+    "The cat sits on the mat.",
+    "A quick brown fox jumps over the lazy dog.",
+    "Stock markets rallied after the central bank held rates.",
+    "How do I reset my password?",
+    "The weather in Lisbon is sunny and warm today.",
+    "She plays the violin in a small orchestra.",
+    "Our servers process millions of requests every day.",
+    "Fresh bread smells wonderful in the morning.",
+]
+
+
+def sentence(i: int) -> str:
+    # Distinct texts of the same length class (~10-14 tokens): no cache can help anyone.
+    return f"{SENTENCES[i % len(SENTENCES)]} ({i})"
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def lat_summary(seconds: list[float]) -> dict:
+    ms = [s * 1000 for s in seconds]
+    return {"n": len(ms), "p50_ms": round(pct(ms, 50), 2), "p90_ms": round(pct(ms, 90), 2),
+            "p99_ms": round(pct(ms, 99), 2), "mean_ms": round(sum(ms) / max(1, len(ms)), 2)}
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [".venv/bin/python", "-m", "bench"] + sys.argv[1:])
+
+
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import torch
+
+    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch.__version__}
+
+
+def save(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"benchmark": name, "at": time.strftime("%Y-%m-%dT%H:%M:%S"), **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ stacks
+
+
+@contextlib.contextmanager
+def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, str] | None = None):
+    """The embedded profile (moto for DynamoDB/S3; moto or LocalStack for SQS).
+    Yields the Stack with AWS_* of this process pointed at its emulators."""
+    logs = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    overrides = {"SLUICE_ACCESS_LOG": "0", "SLUICE_LOG_LEVEL": "WARNING", **(env or {})}
+    s = Stack(api_port=free_port(), workers=workers, sqs=sqs, log_dir=logs, env_overrides=overrides)
+    saved = dict(os.environ)
+    try:
+        s.start_emulator()
+        reset_clients()
+        s.bootstrap()
+        os.environ.update({k: v for k, v in s.env().items() if k.startswith(("AWS_", "SLUICE_"))})
+        if api:
+            s.start_api()
+        for i in range(workers):
+            s.start_worker(i)
+        yield s
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        reset_clients()
+        s.stop()
+
+
+def settings():
+    from sluice.settings import Settings
+
+    return Settings()
+
+
+def reset_clients() -> None:
+    """boto3 clients are cached per process; a new emulator needs new clients."""
+    from sluice import aws
+
+    with aws._lock:
+        aws._clients.clear()
+
+
+# ------------------------------------------------------------ load generator
+
+
+class Http:
+    """One keep-alive HTTP/1.1 connection per client thread (stdlib only, as a user's script)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        host, port = url.split("//", 1)[1].split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        self.headers = {"content-type": "application/json", **(headers or {})}
+
+    def call(self, method: str, path: str, body=None) -> tuple[int, dict]:
+        data = json.dumps(body).encode() if body is not None else None
+        for attempt in range(2):
+            try:
+                self.conn.request(method, path, body=data, headers=self.headers)
+                response = self.conn.getresponse()
+                raw = response.read()
+                return response.status, (json.loads(raw) if raw else {})
+            except (http.client.HTTPException, ConnectionError):
+                self.conn.close()  # the server closed an idle connection: reconnect once
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@dataclass
+class LoadResult:
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    def summary(self) -> dict:
+        done = len(self.latencies)
+        return {"completed": done, "errors": len(self.errors), "error_examples": self.errors[:3],
+                "seconds": round(self.seconds, 2), "per_s": round(done / max(1e-9, self.seconds), 1),
+                **lat_summary(self.latencies), **self.extra}
+
+
+def closed_loop(n_requests: int, clients: int, make_client, one_request, timeout_s: float) -> LoadResult:
+    """`clients` threads share `n_requests`; each sends its next request when the
+    previous one completed (closed loop). one_request(client, i) -> None or raises."""
+    result = LoadResult()
+    counter = iter(range(n_requests))
+    lock = threading.Lock()
+    deadline = time.monotonic() + timeout_s
+
+    def run() -> None:
+        c = make_client()
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    one_request(c, i)
+                except Exception as exc:  # counted, never fatal to the run
+                    with lock:
+                        result.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                elapsed = time.perf_counter() - t0
+                with lock:
+                    result.latencies.append(elapsed)
+        finally:
+            with contextlib.suppress(Exception):
+                c.close()
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(clients)]
+    result.started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic() + 5))
+    result.ended = time.perf_counter()
+    if time.monotonic() >= deadline:
+        result.errors.append(f"timed out after {timeout_s}s")
+    return result
