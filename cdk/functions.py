@@ -69,7 +69,6 @@ class PythonFunction(Construct):
             layers=[code.layer],
             role=self.role,
             environment={
-                "POWERTOOLS_SERVICE_NAME": id.lower(),
                 "POWERTOOLS_METRICS_NAMESPACE": "Sluice",
                 "SLUICE_REGION": Stack.of(self).region,
                 **environment,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 from aws_cdk.assertions import Match
 
 from cdk.config import PRIORITIES
@@ -145,8 +144,9 @@ def test_api_lambda_runs_the_app_with_gateway_auth(synth, backend):
 
 
 def test_lambda_bundle_has_no_torch():
-    from cdk import bundling
+    from cdk import bundling, functions
 
+    assert functions.RUNTIME.name == f"python{bundling.LAMBDA_PYTHON}"  # wheels built for the runtime's Python
     layer, code = bundling.build()
     packages = {p.name.lower() for p in (layer / "python").iterdir()}
     assert "torch" not in packages and not any(p.startswith("torch-") for p in packages)
