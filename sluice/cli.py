@@ -115,12 +115,14 @@ def cmd_bootstrap(_args) -> int:
 def cmd_dlq(args) -> int:
     from sluice.adapters.queues import PriorityQueues
     from sluice.contract import Priority
+    from sluice.adapters.task_store import TaskStore
     from sluice.dlq import list_dead, redrive
 
-    queues = PriorityQueues(_settings())
+    settings = _settings()
+    queues = PriorityQueues(settings)
     priorities = [Priority(args.priority)] if args.priority else list(Priority)
     if args.action == "list":
-        for item in list_dead(queues, priorities, limit=args.limit):
+        for item in list_dead(queues, priorities, limit=args.limit, store=TaskStore(settings)):
             print(json.dumps(item))
         return 0
     moved = redrive(queues, priorities, limit=args.limit)

@@ -111,11 +111,16 @@ class TaskStore:
         self.ddb = client("dynamodb", settings)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluice-ddb")
 
-    def create(self, record: TaskRecord) -> None:
+    def create(self, record: TaskRecord, token: str | None = None) -> None:
+        """`token` names the submit that wrote the record; only that submit's
+        compensation may delete it (see delete_if_queued)."""
+        item = to_item(record)
+        if token:
+            item["submit_token"] = {"S": token}
         try:
             self.ddb.put_item(
                 TableName=self.table,
-                Item=to_item(record),
+                Item=item,
                 ConditionExpression="attribute_not_exists(task_id)",
                 ReturnValuesOnConditionCheckFailure="ALL_OLD",
             )
@@ -127,11 +132,12 @@ class TaskStore:
                 raise TaskExists(from_item(old)) from None
             raise
 
-    def create_many(self, records: list[TaskRecord]) -> None:
+    def create_many(self, records: list[TaskRecord], token: str | None = None) -> None:
         """Write fresh records (their ids are new, so no condition is needed).
         Raises if any could not be written; the caller rolls back what was."""
+        extra = {"submit_token": {"S": token}} if token else {}
         for chunk in _chunks(records, _BATCH_WRITE_LIMIT):
-            request = {self.table: [{"PutRequest": {"Item": to_item(r)}} for r in chunk]}
+            request = {self.table: [{"PutRequest": {"Item": {**to_item(r), **extra}}} for r in chunk]}
             for attempt in range(6):
                 request = self.ddb.batch_write_item(RequestItems=request).get("UnprocessedItems") or {}
                 if not request:
@@ -157,15 +163,21 @@ class TaskStore:
                 request = response.get("UnprocessedKeys") or {}
         return found
 
-    def delete_if_queued(self, task_id: str) -> None:
-        """Compensation when a submit could not enqueue its message."""
+    def delete_if_queued(self, task_id: str, token: str | None = None) -> None:
+        """Compensation when a submit could not enqueue its message. With a
+        token, only while no later submit (an idempotent retry) has claimed it."""
+        condition = "#s = :q"
+        values = {":q": {"S": TaskStatus.queued.value}}
+        if token:
+            condition += " AND submit_token = :t"
+            values[":t"] = {"S": token}
         try:
             self.ddb.delete_item(
                 TableName=self.table,
                 Key=_key(task_id),
-                ConditionExpression="#s = :q",
+                ConditionExpression=condition,
                 ExpressionAttributeNames={"#s": "status"},
-                ExpressionAttributeValues={":q": {"S": TaskStatus.queued.value}},
+                ExpressionAttributeValues=values,
             )
         except ClientError as err:
             if _code(err) != "ConditionalCheckFailedException":

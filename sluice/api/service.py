@@ -2,14 +2,25 @@
 
 Submit writes the task record first and then the message; if the message cannot
 be sent the record is deleted again, so a task exists with its message or not
-at all. With an Idempotency-Key the task id is derived from (tenant, key), so a
-retried submit finds the task it created the first time.
+at all. When the table is unreachable too (a network cut takes both), the
+delete is retried in the background until it lands: a record left behind would
+be a task `queued` forever with no message to run it.
+
+With an Idempotency-Key the task id is derived from (tenant, key), so a retried
+submit finds the task it created the first time. Each submit writes its own
+token on the record; a retry that re-sends the message first claims the record
+with its token, so the first try's pending compensation can no longer delete it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import queue
+import secrets
+import threading
+import time
 import uuid
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -36,9 +47,14 @@ from sluice.contract import (
 )
 from sluice.settings import Settings
 
+log = logging.getLogger("sluice.api")
+
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d7c2e-5b0a-4d8e-9a51-3c2f7e9b1d40")
 # Until workers report real throughput, queue estimates assume this rate.
 _ASSUMED_TASKS_PER_S = 100.0
+# Near the backlog cap the cached queue depth is read afresh, so that the cap
+# is overshot by the submits in flight at once, not by a second's worth.
+_BACKLOG_RECHECK_FRACTION = 0.9
 
 
 def idempotent_task_id(tenant_id: str, key: str) -> str:
@@ -50,12 +66,66 @@ def request_hash(request: SubmitRequest) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class Compensator:
+    """Deletes the records of submits whose message was never sent: at once,
+    and, while the table cannot be reached, again in the background with
+    backoff. Bounded: past `max_pending` or `give_up_s` a task id is logged
+    (ids only, never payloads) for an operator instead of being held."""
+
+    def __init__(self, store: TaskStore, max_pending: int = 10_000, give_up_s: float = 900.0):
+        self.store = store
+        self.give_up_s = give_up_s
+        self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def undo(self, task_ids: list[str], token: str) -> None:
+        for task_id in task_ids:
+            try:
+                self.store.delete_if_queued(task_id, token)
+            except (BotoCoreError, ClientError):
+                self._later(task_id, token)
+
+    def pending(self) -> int:
+        return self._pending.qsize()
+
+    def _later(self, task_id: str, token: str) -> None:
+        try:
+            self._pending.put_nowait((task_id, token, time.monotonic()))
+        except queue.Full:
+            log.error("could not roll back task %s: compensation backlog full", task_id)
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="sluice-compensate", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                task_id, token, since = self._pending.get(timeout=60)
+            except queue.Empty:
+                return
+            try:
+                self.store.delete_if_queued(task_id, token)
+                backoff = 0.5
+            except (BotoCoreError, ClientError):
+                if time.monotonic() - since > self.give_up_s:
+                    log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
+                    continue
+                self._pending.put((task_id, token, since))
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+
 class TaskService:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.store = TaskStore(settings)
         self.payloads = PayloadStore(settings)
         self.queues = PriorityQueues(settings)
+        self.compensator = Compensator(self.store)
         served = set(settings.model_names())
         self.models: dict[str, ModelSpec] = {n: s for n, s in CATALOGUE.items() if n in served}
 
@@ -77,6 +147,8 @@ class TaskService:
 
     def _check_backlog(self, priority: Priority) -> int:
         depth = self.queues.depth(priority)
+        if depth >= self.settings.backlog_cap * _BACKLOG_RECHECK_FRACTION:
+            depth = self.queues.depth(priority, max_age_s=0)
         if depth >= self.settings.backlog_cap:
             raise ApiError(
                 429,
@@ -129,21 +201,35 @@ class TaskService:
         depth = self._check_backlog(request.priority)
         task_id = idempotent_task_id(tenant_id, idempotency_key) if idempotency_key else new_task_id()
         record, message = self._build(tenant_id, request, task_id)
-        try:
-            self._claim_check(message)
-            self.store.create(record)
-        except TaskExists as exists:
-            return self._replay(exists.existing, record, message, depth)
-        except (BotoCoreError, ClientError):
-            raise unavailable("the task store") from None
+        token = secrets.token_hex(8)
+        # Twice at most: a retry may find the record of a first try that its
+        # compensation deletes right then; the second round creates it afresh.
+        for _ in range(2):
+            try:
+                self._claim_check(message)
+                self.store.create(record, token)
+            except TaskExists as exists:
+                accepted = self._replay(exists.existing, record, message, token, depth)
+                if accepted is not None:
+                    return accepted
+                continue
+            except (BotoCoreError, ClientError):
+                raise unavailable("the task store") from None
+            self._send(message, token)
+            return self._accepted(record, depth)
+        raise unavailable("the task store")
+
+    def _send(self, message: TaskMessage, token: str) -> None:
         try:
             self.queues.send(message)
         except (BotoCoreError, ClientError):
-            self._roll_back([record.task_id])
+            self.compensator.undo([message.task_id], token)
             raise unavailable("the queue") from None
-        return self._accepted(record, depth)
 
-    def _replay(self, existing: TaskRecord, record: TaskRecord, message: TaskMessage, depth: int) -> TaskAccepted:
+    def _replay(
+        self, existing: TaskRecord, record: TaskRecord, message: TaskMessage, token: str, depth: int
+    ) -> TaskAccepted | None:
+        """The task this Idempotency-Key created; None if it vanished meanwhile."""
         if existing.request_hash != record.request_hash:
             raise ApiError(
                 409,
@@ -151,13 +237,18 @@ class TaskService:
                 "this Idempotency-Key was used with a different request body",
                 [ErrorDetail(field="Idempotency-Key", rule="must not be reused for a different request")],
             )
-        if existing.status == TaskStatus.queued:
-            # The first try may have died between record and message: send again.
-            # A duplicate message is harmless, the worker runs a task only once.
-            try:
-                self.queues.send(message)
-            except (BotoCoreError, ClientError):
-                raise unavailable("the queue") from None
+        if existing.status != TaskStatus.queued:
+            return self._accepted(existing, depth)
+        # The first try may have died between record and message: claim the
+        # record, then send again. A duplicate message is harmless: the worker
+        # runs a task only once.
+        try:
+            self.store.apply(Change(existing.task_id, {"submit_token": token}, (TaskStatus.queued,)))
+        except TransitionRejected as rejected:
+            return None if rejected.current is None else self._accepted(rejected.current, depth)
+        except (BotoCoreError, ClientError):
+            raise unavailable("the task store") from None
+        self._send(message, token)
         return self._accepted(existing, depth)
 
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
@@ -175,17 +266,23 @@ class TaskService:
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
         records = [r for r, _ in built]
         messages = [m for _, m in built]
+        token = secrets.token_hex(8)
         try:
             for m in messages:
                 self._claim_check(m)
-            self.store.create_many(records)
+            self.store.create_many(records, token)
         except (BotoCoreError, ClientError, RuntimeError):
-            self._roll_back([r.task_id for r in records])
+            self.compensator.undo([r.task_id for r in records], token)
             raise unavailable("the task store") from None
         try:
             self.queues.send_many(messages)
+        except (BotoCoreError, ClientError):
+            # Cut off mid-way: which chunks went out is unknown. Every record is
+            # rolled back; a message whose record is gone is dropped by the worker.
+            self.compensator.undo([r.task_id for r in records], token)
+            raise unavailable("the queue") from None
         except SendFailed as failed:
-            self._roll_back(failed.failed_ids)
+            self.compensator.undo(failed.failed_ids, token)
             sent = len(messages) - len(failed.failed_ids)
             raise ApiError(
                 503,
@@ -195,15 +292,6 @@ class TaskService:
                 headers={"Retry-After": "5"},
             ) from None
         return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r in records])
-
-    def _roll_back(self, task_ids: list[str]) -> None:
-        for task_id in task_ids:
-            try:
-                self.store.delete_if_queued(task_id)
-            except (BotoCoreError, ClientError):
-                # The record stays queued without a message; a retry with the same
-                # Idempotency-Key re-sends it, and its deadline/TTL bound the rest.
-                pass
 
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
         ahead = depth
@@ -231,6 +319,15 @@ class TaskService:
         # Another tenant's task answers exactly like a missing one.
         if record is None or record.tenant_id != tenant_id:
             raise not_found(task_id)
+        if record.status == TaskStatus.queued and record.deadline_at is not None and record.deadline_at <= now_ms():
+            # Past its deadline and not yet picked up: it will never run, so it
+            # says so now rather than when a worker gets to its message.
+            try:
+                record = self.store.apply(
+                    Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now_ms()}, (TaskStatus.queued,))
+                )
+            except TransitionRejected as rejected:
+                record = rejected.current or record
         return record
 
     def get(self, tenant_id: str, task_id: str) -> TaskView:

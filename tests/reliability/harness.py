@@ -42,15 +42,17 @@ SYNTHETIC_ENV = {
 }
 
 
-def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.1):
-    """Poll `predicate` until it returns something truthy; fail naming `what`."""
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.25, state=None):
+    """Poll `predicate` until it returns something truthy; fail naming `what`
+    (and, if given, what `state()` says then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}"
+                                 + (f"; state: {state()}" if state else ""))
         time.sleep(every_s)
 
 
@@ -146,6 +148,12 @@ class Inspector:
                 request = response.get("UnprocessedKeys") or {}
         return found
 
+    def statuses(self, task_ids) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.records(task_ids).values():
+            counts[r.status.value] = counts.get(r.status.value, 0) + 1
+        return counts
+
     def count_records(self) -> int:
         return self.ddb.scan(TableName=self.table, Select="COUNT")["Count"]
 
@@ -203,7 +211,7 @@ class Ledger:
                     self.first_final[task_id] = _final(r)
             if len(self.first_final) == len(set(self.submitted)) or time.monotonic() >= deadline:
                 return records
-            time.sleep(0.2)
+            time.sleep(0.5)  # moto serves every process: poll gently
 
     def report(self, records: dict[str, TaskRecord] | None = None, drain_timeout_s: float = 30) -> dict[str, int]:
         """Print the scenario's line and return its figures. A task is lost if it
