@@ -129,8 +129,11 @@ class Stack:
 
     def start_emulator(self) -> None:
         self.emulator_port = self.emulator_port or free_port()
-        moto = Path(sys.executable).with_name("moto_server")
-        proc = self._spawn("emulator", [str(moto), "-H", "127.0.0.1", "-p", str(self.emulator_port)])
+        if os.environ.get("SLUICE_EMBEDDED_MOTO") == "stock":  # the plain server, for comparisons
+            command = [str(Path(sys.executable).with_name("moto_server"))]
+        else:
+            command = [sys.executable, "-m", "onprem.moto_server"]
+        proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)])
         sqs = self.start_localstack() if self.sqs == "localstack" else None
         wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
         if sqs is not None:
