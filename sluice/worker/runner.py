@@ -3,7 +3,7 @@
 A batch passes three stages, each on its own thread, so that the table and
 queue calls of one batch overlap the model's forward pass of the next:
 
-    prepare (BatchGetItem, one transaction to mark tasks running, S3 claim checks)
+    prepare (conditional updates marking tasks running, S3 claim checks)
       -> infer (the model, on the main thread)
       -> finish (S3 for large results, one transaction for outcomes, DeleteMessageBatch)
 """
@@ -87,17 +87,15 @@ class BatchRunner:
             else:
                 jobs[message.task_id] = Job(message, [received])
 
-        records = self.store.get_many(jobs) if jobs else {}
+        # No read first: the conditional update to `running` is the check. It
+        # fails for a missing record (a rolled-back submit) and for a terminal
+        # one (a duplicate, a cancel), and only those few are read back below.
+        # Saves a BatchGetItem per batch on the hot path.
         now = now_ms()
         changes: list[Change] = []
         runnable: list[Job] = []
         for task_id, job in jobs.items():
-            record = records.get(task_id)
-            if record is None or record.status.is_terminal:
-                # No record: its submit was rolled back. Terminal: a duplicate or
-                # a cancelled task. Either way there is nothing to run.
-                ack += job.deliveries
-            elif job.message.deadline_at is not None and job.message.deadline_at <= now:
+            if job.message.deadline_at is not None and job.message.deadline_at <= now:
                 changes.append(
                     Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _ACTIVE)
                 )
@@ -118,7 +116,8 @@ class BatchRunner:
                 runnable.append(job)
         rejected = self.store.apply_many(changes) if changes else set()
         if rejected:
-            # Lost a race (most often a cancel); the message goes once the task is final.
+            # Missing, terminal, or lost a race (most often a cancel): the
+            # message goes once the task is final or gone.
             fresh = self.store.get_many(rejected)
             for job in [j for j in runnable if j.message.task_id in rejected]:
                 runnable.remove(job)
