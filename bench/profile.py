@@ -1,0 +1,88 @@
+"""Where the CPU goes: the e2e load against Sluice, with each process's CPU
+time (from /proc) divided by the tasks completed, and optionally a py-spy
+profile of each process (raw collapsed stacks in bench/results/profile-*.txt).
+
+    .venv/bin/python -m bench.profile [--py-spy] [--requests 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import RESULTS, Http, closed_loop, log, save, sentence, stack
+from bench.e2e import POLL_S
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sqs", default="localstack")
+    p.add_argument("--py-spy", action="store_true")
+    a = p.parse_args()
+    env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_TORCH_THREADS": str(a.threads)}
+    with stack(workers=a.workers, api=True, sqs=a.sqs, env=env) as s:
+        key = s.create_key("bench")
+
+        def one(client, i):
+            status, body = client.call("POST", "/v1/tasks", {"model": "minilm-embed", "inputs": [sentence(i)]})
+            assert status == 202, body
+            while True:
+                time.sleep(POLL_S)
+                status, view = client.call("GET", f"/v1/tasks/{body['task_id']}")
+                if view["status"] not in ("queued", "running"):
+                    assert view["status"] == "succeeded", view
+                    return
+
+        make = lambda: Http(s.url, {"x-api-key": key})  # noqa: E731
+        closed_loop(64, 8, make, one, 120)
+        pids = {name: proc.pid for name, proc in s.procs.items()}
+        pids["load generator"] = os.getpid()
+        before = {n: cpu_s(pid) for n, pid in pids.items()}
+        spies = []
+        if a.py_spy:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            spy = Path(sys.executable).with_name("py-spy")
+            for name, pid in pids.items():
+                if name != "load generator":
+                    spies.append(subprocess.Popen(
+                        [str(spy), "record", "-p", str(pid), "-d", "15", "-r", "100", "-f", "raw", "-t",
+                         "-o", str(RESULTS / f"profile-{name}.txt")], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL))
+        t0 = time.monotonic()
+        r = closed_loop(a.requests, a.clients, make, one, timeout_s=300)
+        wall = time.monotonic() - t0
+        after = {n: cpu_s(pid) for n, pid in pids.items()}
+        for sp in spies:
+            sp.wait(60)
+    done = max(1, len(r.latencies))
+    per_task = {n: round((after[n] - before[n]) * 1000 / done, 2) for n in pids}
+    out = {"requests": a.requests, "sqs": a.sqs, "workers": a.workers, "threads": a.threads,
+           "wall_s": round(wall, 1), **r.summary(), "cpu_ms_per_task": per_task,
+           "cpu_ms_per_task_total": round(sum(per_task.values()), 1),
+           "machine_cpu_ms_per_task_available": round(wall * (os.cpu_count() or 2) * 1000 / done, 1)}
+    save("profile", out)
+    log(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
