@@ -214,6 +214,10 @@ class TaskService:
                     return accepted
                 continue
             except (BotoCoreError, ClientError):
+                # The write may have landed even though its reply was lost: undo
+                # it (a no-op if it did not), else it would wait for a message
+                # that is never sent.
+                self.compensator.undo([task_id], token)
                 raise unavailable("the task store") from None
             self._send(message, token)
             return self._accepted(record, depth)
@@ -247,6 +251,9 @@ class TaskService:
         except TransitionRejected as rejected:
             return None if rejected.current is None else self._accepted(rejected.current, depth)
         except (BotoCoreError, ClientError):
+            # The claim may have landed: the record is then ours to undo, as in
+            # submit; this reply tells the client that nothing is recorded.
+            self.compensator.undo([existing.task_id], token)
             raise unavailable("the task store") from None
         self._send(message, token)
         return self._accepted(existing, depth)

@@ -157,6 +157,15 @@ class Inspector:
     def count_records(self) -> int:
         return self.ddb.scan(TableName=self.table, Select="COUNT")["Count"]
 
+    def all_records(self) -> list[TaskRecord]:
+        items, kwargs = [], {}
+        while True:
+            page = self.ddb.scan(TableName=self.table, **kwargs)
+            items += page["Items"]
+            if "LastEvaluatedKey" not in page:
+                return [from_item(i) for i in items]
+            kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
     def depth(self, priority: Priority | str, dlq: bool = False) -> tuple[int, int]:
         """(visible, in flight) messages."""
         attrs = self.sqs.get_queue_attributes(
@@ -213,7 +222,8 @@ class Ledger:
                 return records
             time.sleep(0.5)  # moto serves every process: poll gently
 
-    def report(self, records: dict[str, TaskRecord] | None = None, drain_timeout_s: float = 30) -> dict[str, int]:
+    def report(self, records: dict[str, TaskRecord] | None = None, drain_timeout_s: float = 30,
+               extra_lost: int = 0) -> dict[str, int]:
         """Print the scenario's line and return its figures. A task is lost if it
         is missing, not final, or final in another status than intended; it is
         duplicated if its id was handed out twice or its final record changed
@@ -235,6 +245,7 @@ class Ledger:
                 succeeded += 1
             else:
                 failed_as_intended += 1
+        lost += extra_lost
         duplicated = len(self.submitted) - len(unique)
         duplicated += sum(1 for t, snap in self.first_final.items() if t in again and _final(again[t]) != snap)
         figures = dict(submitted=len(self.submitted), succeeded=succeeded, failed_as_intended=failed_as_intended,
