@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +65,7 @@ def emulator_env(port: int, sqs_url: str | None = None) -> dict[str, str]:
 
 
 LOCALSTACK_PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
+LOCALSTACK_CATALOG = ROOT / ".venv-localstack" / "filesystem" / "usr" / "lib" / "localstack"
 
 
 def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
@@ -144,7 +146,12 @@ class Stack:
             raise RuntimeError(f"{LOCALSTACK_PYTHON} is missing: `make install` creates it")
         self.sqs_port = self.sqs_port or free_port()
         data_dir = self.log_dir / "localstack-data"
-        data_dir.mkdir(parents=True, exist_ok=True)
+        # The service catalog `make install` builds: without it a fresh LocalStack
+        # spends ~10 s building one on its first request.
+        static_libs = data_dir / "usr" / "lib" / "localstack"
+        static_libs.mkdir(parents=True, exist_ok=True)
+        for catalog in LOCALSTACK_CATALOG.glob("service-catalog-*"):
+            shutil.copy(catalog, static_libs)
         return self._spawn("sqs", [str(LOCALSTACK_PYTHON), "-m", "localstack.runtime.main"],
                            env=localstack_env(self.sqs_port, data_dir))
 
@@ -221,7 +228,7 @@ def print_banner(stack: Stack, key: str) -> None:
     url = stack.url
     print(
         f"""
-Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}
+Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f" (SQS: LocalStack on {stack.sqs_url})" if stack.sqs_url else ""}
 API docs: {url}/docs      logs: {stack.log_dir}/
 Demo API key (tenant "demo"): {key}
 
@@ -244,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_WORKERS", "2")))
     args = parser.parse_args(argv)
 
-    stack = Stack(api_port=args.port, workers=args.workers)
+    # `make run` puts SQS on LocalStack (make install builds its venv): moto's SQS
+    # slows with queue depth and halved end-to-end throughput (docs/benchmarks.md).
+    sqs = os.environ.get("SLUICE_EMBEDDED_SQS") or ("localstack" if LOCALSTACK_PYTHON.exists() else "moto")
+    stack = Stack(api_port=args.port, workers=args.workers, sqs=sqs)
     stopping = False
 
     def on_signal(*_):
