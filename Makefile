@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration e2e onprem synth clean
+.PHONY: install run test unit integration e2e onprem synth bench clean
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -52,6 +52,13 @@ onprem: install  ## images, compose, k8s checks and the on-prem parity suite
 
 synth: install  ## both stacks (SluiceEks, SluiceSageMaker) into cdk.out/, offline, no Docker
 	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 $(PY) app.py
+
+# Not part of `make test`: ~12 minutes on 2 cores, loopback only. Figures and
+# the command behind each: docs/benchmarks.md. The peers venv is best effort.
+bench: install  ## the benchmark suite into bench/results/ and docs/bench-*.png
+	$(PIP) install -q -e '.[bench]'
+	bash bench/setup_peers.sh
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(LS_VENV) .sluice .pytest_cache

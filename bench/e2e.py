@@ -85,6 +85,12 @@ def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads
                                         "measured on a machine like this one, not in this run (../shared/NOTES.md)",
                                         "why_not_this_run": (measured or {}).get("error", "no .venv-peers")}
         log(f"e2e: {name} {results['systems'][name].get('per_s')}/s ({results['systems'][name]['source']})")
+    # Latency against throughput: the same Sluice stack at lighter closed-loop loads.
+    results["sluice_sweep"] = []
+    for c in ((8, 32) if quick else (4, 16, 32)):
+        r = sluice(max(100, c * 10), c, workers, threads, sqs)
+        results["sluice_sweep"].append({"clients": c, "per_s": r["per_s"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]})
+        log(f"e2e: Sluice at {c} clients: {r['per_s']}/s p50 {r['p50_ms']} ms")
     ours = results["systems"]["Sluice"]["per_s"]
     results["vs_ray"] = round(ours / results["systems"]["Ray Serve"]["per_s"], 2)
     results["vs_raw"] = round(ours / results["raw_32"]["per_s"], 2)

@@ -1,0 +1,107 @@
+"""Run the benchmark suite and write the plots: `make bench` or
+
+    .venv/bin/python -m bench [--quick] [--only api,worker,...]
+
+Results land in bench/results/*.json (one file per benchmark, with the time it
+ran), plots in docs/bench-*.png. Bounded: every benchmark has its own limits and
+the whole suite takes ~12 minutes on 2 cores (--quick: ~5)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+from bench import api, e2e, emulators, gpu, priorities, startup, worker
+from bench.common import ROOT, RESULTS, log, machine, save
+
+SUITE = {
+    "emulators": emulators.main,
+    "api": api.main,
+    "worker": worker.main,
+    "e2e": e2e.main,
+    "priorities": priorities.main,
+    "gpu": gpu.main,
+    "startup": startup.main,
+}
+
+
+def plots() -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    docs = ROOT / "docs"
+    e2e_file, worker_file = RESULTS / "e2e.json", RESULTS / "worker.json"
+    if e2e_file.exists():
+        d = json.loads(e2e_file.read_text())
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, r in d["systems"].items():
+            if "per_s" not in r:
+                continue
+            label = name + ("" if r.get("source") in (None, "this run") else " (reference, not this run)")
+            ax.errorbar([r["per_s"]], [r["p50_ms"]], yerr=[[0], [r["p99_ms"] - r["p50_ms"]]], fmt="o", capsize=4,
+                        label=label)
+        sweep = d.get("sluice_sweep", []) + [{"per_s": d["systems"]["Sluice"]["per_s"],
+                                              "p50_ms": d["systems"]["Sluice"]["p50_ms"],
+                                              "clients": d["clients"]}]
+        sweep.sort(key=lambda x: x["clients"])
+        ax.plot([x["per_s"] for x in sweep], [x["p50_ms"] for x in sweep], "--", color="grey", label="Sluice p50, 4-64 clients")
+        ax.axvline(d["raw_32"]["per_s"], color="black", lw=0.8, ls=":", label="raw model, batch 32 (same run)")
+        ax.set_xlabel("completed requests/s")
+        ax.set_ylabel("latency, ms (dot p50, bar to p99)")
+        ax.set_yscale("log")
+        ax.set_title(f"{d['requests']} one-sentence requests, {d['clients']} clients, 2-core machine")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(docs / "bench-latency-throughput.png", dpi=110)
+        written.append("docs/bench-latency-throughput.png")
+    if worker_file.exists():
+        d = json.loads(worker_file.read_text())
+        c = d["curve"]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.plot([x["batch"] for x in c], [x["raw_per_s"] for x in c], "o-", label="raw model, plain torch loop")
+        ax.plot([x["batch"] for x in c], [x["sluice_tasks_per_s"] for x in c], "s-",
+                label=f"one Sluice worker draining a queue ({d['sqs']} SQS, moto DynamoDB)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max batch size")
+        ax.set_ylabel("sentences (tasks)/s")
+        ax.set_title("MiniLM bf16, 2 torch threads, 2-core machine")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(docs / "bench-batch-size.png", dpi=110)
+        written.append("docs/bench-batch-size.png")
+    return written
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated: " + ",".join(SUITE))
+    p.add_argument("--plots-only", action="store_true")
+    a = p.parse_args()
+    chosen = [n for n in (a.only.split(",") if a.only else SUITE) if n]
+    failed = []
+    started = time.monotonic()
+    if not a.plots_only:
+        save("machine", {"machine": machine(), "command": ".venv/bin/python -m bench " + " ".join(
+            x for x in (["--quick"] if a.quick else []) + ([f"--only {a.only}"] if a.only else []))})
+        for name in chosen:
+            t0 = time.monotonic()
+            try:
+                SUITE[name](quick=a.quick)
+            except Exception:
+                traceback.print_exc()
+                failed.append(name)
+            log(f"{name}: {time.monotonic() - t0:.0f}s")
+    for path in plots():
+        log(f"wrote {path}")
+    log(f"suite: {time.monotonic() - started:.0f}s; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
