@@ -126,6 +126,8 @@ class TaskService:
         self.payloads = PayloadStore(settings)
         self.queues = PriorityQueues(settings)
         self.compensator = Compensator(self.store)
+        self._backlog_seen: dict[Priority, tuple[float, int, int]] = {}  # read at, depth, sent since
+        self._backlog_lock = threading.Lock()
         served = set(settings.model_names())
         self.models: dict[str, ModelSpec] = {n: s for n, s in CATALOGUE.items() if n in served}
 
@@ -145,10 +147,27 @@ class TaskService:
                 [ErrorDetail(field=field, rule=f"must be one of: {', '.join(sorted(self.models))}")],
             )
 
+    def _backlog(self, priority: Priority) -> int:
+        """The queue's depth as last read (at most a second ago) plus what this
+        process sent since, read afresh near the cap: a stale depth would let a
+        second's worth of submits past it."""
+        now = time.monotonic()
+        with self._backlog_lock:
+            read_at, depth, sent = self._backlog_seen.get(priority, (0.0, 0, 0))
+        if now - read_at < 1.0 and depth + sent < self.settings.backlog_cap * _BACKLOG_RECHECK_FRACTION:
+            return depth + sent
+        depth = self.queues.depth(priority, max_age_s=0)
+        with self._backlog_lock:
+            self._backlog_seen[priority] = (now, depth, 0)
+        return depth
+
+    def _sent(self, priority: Priority, n: int) -> None:
+        with self._backlog_lock:
+            read_at, depth, sent = self._backlog_seen.get(priority, (0.0, 0, 0))
+            self._backlog_seen[priority] = (read_at, depth, sent + n)
+
     def _check_backlog(self, priority: Priority) -> int:
-        depth = self.queues.depth(priority)
-        if depth >= self.settings.backlog_cap * _BACKLOG_RECHECK_FRACTION:
-            depth = self.queues.depth(priority, max_age_s=0)
+        depth = self._backlog(priority)
         if depth >= self.settings.backlog_cap:
             raise ApiError(
                 429,
@@ -229,6 +248,7 @@ class TaskService:
         except (BotoCoreError, ClientError):
             self.compensator.undo([message.task_id], token)
             raise unavailable("the queue") from None
+        self._sent(message.priority, 1)
 
     def _replay(
         self, existing: TaskRecord, record: TaskRecord, message: TaskMessage, token: str, depth: int
@@ -290,6 +310,9 @@ class TaskService:
             raise unavailable("the queue") from None
         except SendFailed as failed:
             self.compensator.undo(failed.failed_ids, token)
+            for m in messages:
+                if m.task_id not in failed.failed_ids:
+                    self._sent(m.priority, 1)
             sent = len(messages) - len(failed.failed_ids)
             raise ApiError(
                 503,
@@ -298,6 +321,8 @@ class TaskService:
                 f"{sent} were queued. Send an Idempotency-Key to make retries safe.",
                 headers={"Retry-After": "5"},
             ) from None
+        for m in messages:
+            self._sent(m.priority, 1)
         return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r in records])
 
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:

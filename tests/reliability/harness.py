@@ -389,6 +389,8 @@ def running_stack(log_dir: Path, workers: int = 2, env: dict[str, str] | None = 
         for i in range(workers):
             stack.start_worker(i)
         wait_http(f"{stack.url}/ready", 30)
+        for i in range(workers):
+            wait_worker_ready(stack, i)
         key = stack.create_key(tenant)
         SECRETS.add(key)
         yield Running(stack, Client(stack.url, key), Inspector(moto_port), tenant, relay)
@@ -398,5 +400,14 @@ def running_stack(log_dir: Path, workers: int = 2, env: dict[str, str] | None = 
             relay.close()
 
 
-def worker_pids(stack: Stack) -> list[int]:
-    return [p.pid for n, p in stack.procs.items() if n.startswith("worker") and p.poll() is None]
+def wait_worker_ready(stack: Stack, index: int, timeout_s: float = 60) -> None:
+    """Until worker-<index> (the process running now under that name) says it is ready."""
+    proc = stack.procs[f"worker-{index}"]
+    log = stack.log_dir / f"worker-{index}.log"
+
+    def ready() -> bool:
+        assert proc.poll() is None, f"worker-{index} exited with {proc.returncode}"
+        return any(f"worker[{proc.pid}]" in line and "worker ready" in line
+                   for line in log.read_text(errors="replace").splitlines())
+
+    wait_until(ready, timeout_s, f"worker-{index} to be ready")

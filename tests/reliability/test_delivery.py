@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sluice.contract import TaskMessage, now_ms
-from tests.reliability.harness import CANARY, Ledger, running_stack, wait_until
+from tests.reliability.harness import CANARY, Ledger, running_stack, wait_until, wait_worker_ready
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +36,9 @@ def message_for(env, task_id: str, text: str) -> str:
                        inputs=[text], enqueued_at=now_ms()).model_dump_json(exclude_none=True)
 
 
-def worker_ready(env, index: int, pid: int) -> bool:
-    log = (env.stack.log_dir / f"worker-{index}.log").read_text(errors="replace")
-    return any(f"worker[{pid}]" in line and "worker ready" in line for line in log.splitlines())
-
-
 def restart_worker(env, index: int) -> None:
-    proc = env.stack.start_worker(index)
-    wait_until(lambda: worker_ready(env, index, proc.pid), 30, f"worker-{index} to be ready again")
+    env.stack.start_worker(index)
+    wait_worker_ready(env.stack, index)
 
 
 def test_duplicated_and_redelivered_messages_leave_exactly_one_outcome(env):
