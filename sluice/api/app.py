@@ -81,7 +81,12 @@ class TokenBucket:
 
 
 class BodyLimit:
-    """Refuse bodies over the limit before they are read into memory (413)."""
+    """Refuse bodies over the limit (413) before the app sees them.
+
+    A declared Content-Length over the limit is refused unread; a body without
+    one (chunked) is read up to the limit and refused as soon as it passes it.
+    The body is then handed to the app from memory: an exception raised inside
+    the app's own read would surface as the framework's 400, not a 413."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -92,30 +97,34 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":  # the client went away
+                return
+            body = message.get("body", b"")
+            seen += len(body)
             if seen > self.max_bytes:
-                raise _TooLarge()
-            return message
+                return await self._too_large(send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._too_large(send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: only a disconnect can come
+
+        await self.app(scope, replay, send)
 
     async def _too_large(self, send):
         err = ApiError(413, "payload_too_large", f"request body is over {self.max_bytes} bytes",
                        [ErrorDetail(field="body", rule=f"at most {self.max_bytes} bytes")])
         response = JSONResponse(err.body(), status_code=413)
         await response({"type": "http"}, None, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
