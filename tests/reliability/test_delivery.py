@@ -68,7 +68,16 @@ def test_duplicated_and_redelivered_messages_leave_exactly_one_outcome(env):
 
 def test_a_worker_killed_mid_batch_loses_nothing(env):
     ledger = Ledger("worker_sigkill_mid_batch", env.inspector)
-    ids = env.client.submit_many(texts("kill", 300))
+    workers = [env.stack.procs[f"worker-{i}"] for i in (0, 1)]
+    # The whole backlog is in the queue before the workers go at it, so the
+    # kill below finds most of the work still ahead.
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    try:
+        ids = env.client.submit_many(texts("kill", 300))
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGCONT)
     ledger.add(ids)
     # Kill once processing is under way, while a backlog remains: the worker
     # then holds a batch in the model and a prefetched one.
