@@ -1,0 +1,131 @@
+"""Promise 4, the moments the outage scenario can only hit by chance: a submit
+interrupted between its record and its message leaves the two together or
+neither. In-process TaskService against the session's emulator, with faults
+injected at exact points.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from botocore.exceptions import EndpointConnectionError
+
+from models.synthetic import SyntheticModel
+
+from sluice.adapters.queues import PriorityQueues
+from sluice.api.errors import ApiError
+from sluice.api.service import TaskService, idempotent_task_id
+from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskStatus
+from sluice.worker.runner import BatchRunner
+from tests.reliability.harness import wait_until
+
+REQUEST = SubmitRequest(model="synthetic", inputs=["atomic"])
+
+
+def cut(*_, **__):
+    raise EndpointConnectionError(endpoint_url="http://cut")
+
+
+@pytest.fixture
+def service(settings):
+    return TaskService(settings)
+
+
+def only_record(service):
+    return service.store.ddb.scan(TableName=service.settings.tasks_table)["Items"]
+
+
+def visible(settings) -> int:
+    return PriorityQueues(settings).depth(Priority.normal, max_age_s=0)
+
+
+def test_a_record_write_whose_reply_is_lost_is_undone(service, settings):
+    real_create = service.store.create
+
+    def lands_then_cut(record, token=None):
+        real_create(record, token)
+        cut()
+
+    service.store.create = lands_then_cut
+    with pytest.raises(ApiError) as refused:
+        service.submit("t", REQUEST, None)
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"]
+    assert only_record(service) == [] and visible(settings) == 0
+
+
+def test_when_the_table_is_down_too_the_rollback_lands_when_it_returns(service, settings):
+    table_down = threading.Event()
+    table_down.set()
+    real_delete = service.store.delete_if_queued
+
+    def delete(task_id, token=None):
+        if table_down.is_set():
+            cut()
+        real_delete(task_id, token)
+
+    service.store.delete_if_queued = delete
+    service.queues.send = cut
+    with pytest.raises(ApiError):
+        service.submit("t", REQUEST, None)
+    assert len(only_record(service)) == 1 and service.compensator.pending() == 1  # half-written, for now
+    table_down.clear()
+    wait_until(lambda: only_record(service) == [], 10, "the background rollback")
+
+
+def test_an_idempotent_retry_keeps_the_record_its_first_try_was_rolling_back(service, settings):
+    table_down = threading.Event()
+    table_down.set()
+    real_delete, real_send = service.store.delete_if_queued, service.queues.send
+
+    def delete(task_id, token=None):
+        if table_down.is_set():
+            cut()
+        real_delete(task_id, token)
+
+    service.store.delete_if_queued = delete
+    service.queues.send = cut
+    with pytest.raises(ApiError):
+        service.submit("t", REQUEST, "key-1")
+    service.queues.send = real_send
+    accepted = service.submit("t", REQUEST, "key-1")  # the client's retry, queue back
+    assert accepted.task_id == idempotent_task_id("t", "key-1")
+    table_down.clear()
+    wait_until(lambda: service.compensator.pending() == 0, 10, "the first try's rollback to be tried")
+    record = service.store.get(accepted.task_id)
+    # The first try's rollback no longer applies: the task has its record and its message.
+    assert record is not None and record.status == TaskStatus.queued
+    assert visible(settings) == 1
+
+
+class CutAfterFirstBatch:
+    """The SQS client, with the connection lost after the first SendMessageBatch."""
+
+    def __init__(self, sqs):
+        self._sqs, self.calls = sqs, 0
+
+    def __getattr__(self, name):
+        return getattr(self._sqs, name)
+
+    def send_message_batch(self, **kwargs):
+        self.calls += 1
+        if self.calls > 1:
+            cut()
+        return self._sqs.send_message_batch(**kwargs)
+
+
+def test_a_batch_cut_off_while_sending_leaves_no_records(service, settings):
+    service.queues.sqs = CutAfterFirstBatch(service.queues.sqs)
+    batch = BatchSubmitRequest(tasks=[SubmitRequest(model="synthetic", inputs=[f"b{i}"]) for i in range(25)])
+    with pytest.raises(ApiError) as refused:
+        service.submit_batch("t", batch, None)
+    assert refused.value.status == 503
+    assert only_record(service) == []
+    # The first chunk's messages went out before the cut; with their records
+    # gone a worker acknowledges them without running anything.
+    queues = PriorityQueues(settings)
+    received = queues.receive(Priority.normal, 10, 0, 30)
+    assert len(received) == 10
+    runner = BatchRunner(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    prepared = runner.prepare(received)
+    assert prepared.jobs == [] and len(prepared.ack) == 10
