@@ -1,5 +1,5 @@
-"""Priorities under saturation: equal arrivals of high, normal and low above
-what one worker can serve, for a fixed window; queue wait (started_at -
+"""Priorities under saturation: a backlog of each priority, then equal arrivals
+of high, normal and low above what one worker can serve, for a fixed window; queue wait (started_at -
 created_at) per priority and each priority's share of the tasks started.
 With weights high=6, normal=3, low=1 and all three backlogged, low's configured
 share is 1/10."""
@@ -18,14 +18,16 @@ from bench.worker import fill
 
 def main(quick: bool = False, sqs: str = "localstack") -> dict:
     window_s = 20 if quick else 40
-    per_s = 20  # per priority: 60/s in all, above one worker's capacity here
+    per_s = 30  # per priority: 90/s in all, above one worker's capacity here (~55/s)
+    backlog = 150  # per priority, queued before the worker starts: saturated from the first batch
     env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_TORCH_THREADS": "2"}
     ids: dict[str, list[str]] = {"high": [], "normal": [], "low": []}
     with stack(workers=0, api=False, sqs=sqs, env=env) as s:
-        fill(10)  # warm the submit path
+        for p in ids:
+            ids[p] += fill(backlog, priority=p)
         s.start_worker(0)
         stop = time.monotonic() + window_s
-        log(f"priorities: {per_s}/s each of high, normal, low for {window_s}s into one worker")
+        log(f"priorities: {backlog} each queued, then {per_s}/s each of high, normal, low for {window_s}s")
 
         def arrivals(priority: str) -> None:
             tick = time.monotonic()
@@ -46,6 +48,7 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
     started = {p: [r for r in recs if r.started_at] for p, recs in records.items()}
     total_started = sum(len(v) for v in started.values())
     results: dict = {"sqs": sqs, "dynamodb": "moto", "window_s": window_s, "arrivals_per_s_each": per_s,
+                     "backlog_each": backlog,
                      "weights": settings().priority_weights, "per_priority": {}}
     for p, recs in started.items():
         waits = [r.started_at - r.created_at for r in recs]
