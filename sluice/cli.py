@@ -116,7 +116,7 @@ def cmd_dlq(args) -> int:
     from sluice.adapters.queues import PriorityQueues
     from sluice.contract import Priority
     from sluice.adapters.task_store import TaskStore
-    from sluice.dlq import list_dead, redrive
+    from sluice.dlq import list_dead, redrive, settle_dead
 
     settings = _settings()
     queues = PriorityQueues(settings)
@@ -124,6 +124,10 @@ def cmd_dlq(args) -> int:
     if args.action == "list":
         for item in list_dead(queues, priorities, limit=args.limit, store=TaskStore(settings)):
             print(json.dumps(item))
+        return 0
+    if args.action == "settle":
+        counts = settle_dead(queues, TaskStore(settings), priorities, settings.max_attempts, limit=args.limit)
+        print(f"failed {counts['failed']} tasks, requeued {counts['requeued']} messages")
         return 0
     moved = redrive(queues, priorities, limit=args.limit)
     print(f"redrove {moved} messages")
@@ -164,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bootstrap", help="create queues, tables and bucket if missing")
     p.set_defaults(func=cmd_bootstrap)
 
-    p = sub.add_parser("dlq", help="list or redrive dead-letter messages")
-    p.add_argument("action", choices=["list", "redrive"])
+    p = sub.add_parser("dlq", help="list or redrive dead-letter messages, or settle their unfinished tasks")
+    p.add_argument("action", choices=["list", "redrive", "settle"])
     p.add_argument("--priority", choices=["high", "normal", "low"])
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(func=cmd_dlq)

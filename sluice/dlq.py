@@ -1,44 +1,66 @@
-"""Dead-letter queue inspection and redrive."""
+"""Dead-letter queues: inspection, redrive, and settling tasks left without an outcome.
+
+A message reaches a DLQ after MAX_RECEIVE_COUNT receives. A task whose last
+attempt failed in the model is already `failed` when that happens. But every
+receive counts, including ones that ended without an outcome: a worker killed
+mid-batch, messages handed back on SIGTERM, a reply lost on the network. Such a
+task would stay `queued` or `running` for ever; `settle_dead` (run by every
+worker now and then, and by `sluice dlq settle`) gives it one.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import random
+import threading
 
 from sluice.adapters.queues import PriorityQueues
-from sluice.contract import Priority
+from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
+from sluice.contract import Priority, TaskStatus, now_ms
+
+log = logging.getLogger("sluice.dlq")
+
+_ACTIVE = (TaskStatus.queued, TaskStatus.running)
 
 
-def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 100, store=None) -> list[dict]:
-    """Peek at DLQ messages (received with visibility 0, so they stay where they
-    are). With a TaskStore, each also names its task and that task's status:
-    a redriven message of a task that is already final is acknowledged without
-    running again (its outcome stands), so only unfinished tasks gain from it."""
+def _receive_all(queues: PriorityQueues, url: str, limit: int, hide_s: int = 30) -> list[dict]:
+    """Up to `limit` messages. Each receive hides what it got for `hide_s`, so
+    the next one sees others (receiving with visibility 0 returns the same ten
+    every time); the caller makes visible again what it leaves in place."""
     found: list[dict] = []
-    for priority in priorities:
-        url = queues.dlq_url(priority)
-        seen: set[str] = set()
-        while len(found) < limit:
-            response = queues.sqs.receive_message(
-                QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=0, WaitTimeSeconds=0,
-                MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
-            )
-            fresh = [m for m in response.get("Messages", []) if m["MessageId"] not in seen]
-            if not fresh:
-                break
-            for m in fresh:
-                seen.add(m["MessageId"])
-                found.append({"priority": priority.value, "message_id": m["MessageId"], "body": m["Body"],
-                              "attributes": m.get("Attributes", {})})
-    found = found[:limit]
-    if store is not None:
-        for item in found:
-            task_id = _task_id(item["body"])
-            item["task_id"] = task_id
-        records = store.get_many([i["task_id"] for i in found if i["task_id"]])
-        for item in found:
-            record = records.get(item["task_id"]) if item["task_id"] else None
-            item["task_status"] = record.status.value if record else None
+    while len(found) < limit:
+        response = queues.sqs.receive_message(
+            QueueUrl=url, MaxNumberOfMessages=min(10, limit - len(found)), VisibilityTimeout=hide_s,
+            WaitTimeSeconds=0, MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+        )
+        messages = response.get("Messages", [])
+        if not messages:
+            break
+        found += messages
     return found
+
+
+def _batches(messages: list[dict]):
+    for i in range(0, len(messages), 10):
+        yield messages[i:i + 10]
+
+
+def _show_again(queues: PriorityQueues, url: str, messages: list[dict]) -> None:
+    for chunk in _batches(messages):
+        queues.sqs.change_message_visibility_batch(QueueUrl=url, Entries=[
+            {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": 0} for i, m in enumerate(chunk)])
+
+
+def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]) -> None:
+    """Send first, then delete: a failure in between duplicates a message
+    rather than losing it (a worker runs a task only once)."""
+    for chunk in _batches(messages):
+        queues.sqs.send_message_batch(
+            QueueUrl=target, Entries=[{"Id": str(i), "MessageBody": m["Body"]} for i, m in enumerate(chunk)])
+        queues.sqs.delete_message_batch(
+            QueueUrl=source, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk)])
 
 
 def _task_id(body: str) -> str | None:
@@ -49,23 +71,81 @@ def _task_id(body: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 100, store=None) -> list[dict]:
+    """DLQ messages, left where they are. With a TaskStore, each also names its
+    task and that task's status: a redriven message of a task that is already
+    final is acknowledged without running again (its outcome stands)."""
+    found: list[dict] = []
+    for priority in priorities:
+        url = queues.dlq_url(priority)
+        messages = _receive_all(queues, url, limit - len(found))
+        _show_again(queues, url, messages)
+        found += [{"priority": priority.value, "message_id": m["MessageId"], "body": m["Body"],
+                   "attributes": m.get("Attributes", {}), "task_id": _task_id(m["Body"])} for m in messages]
+    if store is not None:
+        records = store.get_many([i["task_id"] for i in found if i["task_id"]])
+        for item in found:
+            record = records.get(item["task_id"]) if item["task_id"] else None
+            item["task_status"] = record.status.value if record else None
+    return found
+
+
 def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100) -> int:
-    """Move DLQ messages back to their source queue: send first, then delete,
-    so a failure in between duplicates a message rather than losing it."""
+    """Move DLQ messages back to their source queue."""
     moved = 0
     for priority in priorities:
-        dlq, source = queues.dlq_url(priority), queues.url(priority)
-        while moved < limit:
-            response = queues.sqs.receive_message(QueueUrl=dlq, MaxNumberOfMessages=min(10, limit - moved),
-                                                  VisibilityTimeout=30, WaitTimeSeconds=0)
-            messages = response.get("Messages", [])
-            if not messages:
-                break
-            queues.sqs.send_message_batch(
-                QueueUrl=source, Entries=[{"Id": str(i), "MessageBody": m["Body"]} for i, m in enumerate(messages)]
-            )
-            queues.sqs.delete_message_batch(
-                QueueUrl=dlq, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)]
-            )
-            moved += len(messages)
+        dlq = queues.dlq_url(priority)
+        messages = _receive_all(queues, dlq, limit - moved)
+        _move(queues, dlq, queues.url(priority), messages)
+        moved += len(messages)
     return moved
+
+
+def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
+                limit: int = 100) -> dict[str, int]:
+    """For each dead-lettered message whose task has no outcome yet: a task that
+    started `max_attempts` times (and never finished: each run took its worker
+    down) is failed with a readable error; any other goes back to its queue
+    with a fresh receive count. Messages of final tasks stay for operators."""
+    counts = {"failed": 0, "requeued": 0}
+    for priority in priorities:
+        dlq = queues.dlq_url(priority)
+        messages = _receive_all(queues, dlq, limit)
+        if not messages:
+            continue
+        records = store.get_many({t for t in (_task_id(m["Body"]) for m in messages) if t})
+        keep, requeue = [], []
+        for m in messages:
+            record = records.get(_task_id(m["Body"]) or "")
+            if record is None or record.status.is_terminal:
+                keep.append(m)
+            elif record.attempts >= max_attempts:
+                keep.append(m)
+                try:
+                    store.apply(Change(record.task_id, {
+                        "status": TaskStatus.failed.value, "finished_at": now_ms(), "error_code": "dead_lettered",
+                        "error_message": f"no outcome after {record.attempts} attempts: the worker running it "
+                                         "stopped each time; its message is in the dead-letter queue"}, _ACTIVE))
+                    counts["failed"] += 1
+                except TransitionRejected:
+                    pass  # it got an outcome meanwhile
+            else:
+                requeue.append(m)
+        _move(queues, dlq, queues.url(priority), requeue)
+        counts["requeued"] += len(requeue)
+        _show_again(queues, dlq, keep)
+    return counts
+
+
+def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event) -> None:
+    """settle_dead every SLUICE_DLQ_SETTLE_S seconds (jittered) until `done`."""
+    every_s = float(os.environ.get("SLUICE_DLQ_SETTLE_S", "30"))
+    while not done.wait(every_s * random.uniform(0.5, 1.5)):
+        try:
+            counts = settle_dead(queues, store, list(Priority), max_attempts)
+        except Exception as exc:  # a dependency is down: next round
+            log.warning("settling dead-lettered tasks failed: %s", type(exc).__name__)
+            continue
+        if any(counts.values()):
+            log.info("dead-lettered tasks without an outcome: %d failed, %d requeued",
+                     counts["failed"], counts["requeued"])

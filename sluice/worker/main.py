@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.contract import Priority
+from sluice.dlq import settle_loop
 from sluice.settings import Settings
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
@@ -118,9 +119,13 @@ class Worker:
             for p in Priority
         ]
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="sluice-heartbeat", daemon=True)
+        # Gives an outcome to tasks whose message was dead-lettered without one (sluice/dlq.py).
+        dead = threading.Thread(target=settle_loop, args=(self.queues, self.runner.store, self.settings.max_attempts,
+                                                          self._done), name="sluice-dlq", daemon=True)
         for t in receivers:
             t.start()
         heartbeat.start()
+        dead.start()
         log.info("worker ready", extra={"pid": os.getpid(), "models": list(self.runner.models)})
         self.pipeline.run()  # returns once stopping is set and the batches in hand are done
         for t in receivers:

@@ -22,8 +22,19 @@ MAX_ATTEMPTS = 3
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("outcome-logs"), workers=2) as running:
+    # Workers look for dead-lettered tasks without an outcome every ~second.
+    with running_stack(tmp_path_factory.mktemp("outcome-logs"), workers=2, env={"SLUICE_DLQ_SETTLE_S": "1"}) as running:
         yield running
+
+
+def stop_workers(env) -> None:
+    for name in [n for n in env.stack.procs if n.startswith("worker")]:
+        assert env.stack.stop_process(name) == 0
+
+
+def start_workers(env, n: int = 2) -> None:
+    for i in range(n):
+        env.stack.start_worker(i)
 
 
 def sluice_cli(env, tmp_path, *args: str) -> str:
@@ -66,9 +77,14 @@ def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
 
     wait_until(lambda: dead_ids() == poison, 60, "the poison messages to reach the DLQ", state=dead_ids)
 
-    listed = [json.loads(line) for line in sluice_cli(env, tmp_path, "dlq", "list", "--priority", "normal")
-              .splitlines() if line.strip()]
-    assert {item["task_id"] for item in listed} == poison
+    # A worker's settle round hides DLQ messages for a moment while it reads
+    # them (as any SQS reader does), so a listing may briefly miss some.
+    def listed():
+        out = sluice_cli(env, tmp_path, "dlq", "list", "--priority", "normal")
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    listed = wait_until(lambda: (lambda items: items if {i["task_id"] for i in items} == poison else None)(listed()),
+                        20, "`sluice dlq list` to show the poison tasks")
     assert {item["task_status"] for item in listed} == {"failed"}
     assert all(int(item["attributes"]["ApproximateReceiveCount"]) >= MAX_ATTEMPTS for item in listed)
 
@@ -76,7 +92,7 @@ def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
     assert out.strip() == f"redrove {len(poison)} messages"
     # Redriven, each message is received again and acknowledged: its task is
     # final, so it neither runs again nor gets a second outcome.
-    wait_until(lambda: not env.inspector.peek_dlq("normal") and env.inspector.drained(), 60,
+    wait_until(lambda: env.inspector.depth("normal", dlq=True) == (0, 0) and env.inspector.drained(), 60,
                "the redriven messages to be consumed")
     figures = ledger.report()
     assert figures["lost"] == 0, ledger.lost_examples()
@@ -87,8 +103,7 @@ def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
 def test_expired_and_cancelled_tasks_never_run(env):
     ledger = Ledger("deadlines_and_cancellation", env.inspector)
     # No worker while the tasks wait: their deadlines pass, their cancels land.
-    for name in [n for n in env.stack.procs if n.startswith("worker")]:
-        assert env.stack.stop_process(name) == 0
+    stop_workers(env)
     expiring = [env.client.submit([f"{CANARY} expiring {i}"], deadline_s=1).body["task_id"] for i in range(15)]
     cancelled = [env.client.submit([f"{CANARY} cancelled {i}"]).body["task_id"] for i in range(15)]
     control = env.client.submit_many([f"{CANARY} control {i}" for i in range(15)])
@@ -108,8 +123,7 @@ def test_expired_and_cancelled_tasks_never_run(env):
     # ... and a task that is final cannot be cancelled any more.
     assert env.client.call("DELETE", f"/v1/tasks/{expiring[0]}").status == 409
 
-    for i in range(2):
-        env.stack.start_worker(i)
+    start_workers(env)
     records = ledger.settle(60)
     figures = ledger.report(records)
     assert figures["lost"] == 0, ledger.lost_examples()
@@ -119,3 +133,41 @@ def test_expired_and_cancelled_tasks_never_run(env):
         r = records[task_id]
         assert r.started_at is None and r.attempts == 0 and r.result_json is None and r.inference_ms is None, r
     assert env.client.call("DELETE", f"/v1/tasks/{control[0]}").status == 409
+
+
+def test_a_task_dead_lettered_without_an_outcome_gets_one(env):
+    """Every receive counts towards the DLQ, also those that end without an
+    outcome (a killed worker, a SIGTERM hand-back). Two tasks whose messages got
+    there that way: one never ran (handed back each time), one started three
+    times and took its worker down each time."""
+    ledger = Ledger("dead_lettered_without_outcome", env.inspector)
+    stop_workers(env)
+    handed_back = env.client.submit([f"{CANARY} handed back"]).body["task_id"]
+    crashed = env.client.submit([f"{CANARY} crashed"]).body["task_id"]
+    ledger.add([handed_back])
+    ledger.add([crashed], intended="failed")
+    sqs, source, dlq = env.inspector.sqs, env.inspector.queue_url("normal"), env.inspector.queue_url("normal", True)
+    moved = set()
+    while len(moved) < 2:
+        for m in sqs.receive_message(QueueUrl=source, MaxNumberOfMessages=10, VisibilityTimeout=60).get("Messages", []):
+            sqs.send_message(QueueUrl=dlq, MessageBody=m["Body"])
+            sqs.delete_message(QueueUrl=source, ReceiptHandle=m["ReceiptHandle"])
+            moved.add(json.loads(m["Body"])["task_id"])
+    assert moved == {handed_back, crashed}
+    env.inspector.ddb.update_item(
+        TableName="sluice-tasks", Key={"task_id": {"S": crashed}},
+        UpdateExpression="SET #s = :r, attempts = :n, started_at = :t",
+        ExpressionAttributeNames={"#s": "status"},
+        ExpressionAttributeValues={":r": {"S": "running"}, ":n": {"N": "3"}, ":t": {"N": str(int(time.time() * 1000))}})
+    start_workers(env)
+    records = ledger.settle(60)
+    assert records[handed_back].status.value == "succeeded" and records[handed_back].attempts == 1
+    view = env.client.call("GET", f"/v1/tasks/{crashed}").body
+    assert view["status"] == "failed" and view["error"]["code"] == "dead_lettered", view
+    assert "dead-letter queue" in view["error"]["message"]
+    # The crashed task's message stays in the DLQ for an operator; the other left it.
+    wait_until(lambda: {json.loads(m["Body"])["task_id"] for m in env.inspector.peek_dlq("normal")} == {crashed},
+               20, "the DLQ to hold the crashed task's message only")
+    figures = ledger.report(records)
+    assert figures["lost"] == 0 and figures["duplicated"] == 0
+    assert figures["succeeded"] == 1 and figures["failed_as_intended"] == 1
