@@ -9,7 +9,8 @@ import traceback
 from typing import Annotated
 
 from botocore.exceptions import BotoCoreError, ClientError
-from fastapi import Depends, FastAPI, Header, Path, Request, Security
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
@@ -19,6 +20,7 @@ from sluice import __version__
 from sluice.adapters.api_keys import ApiKeys
 from sluice.api.errors import ApiError, unavailable
 from sluice.api.service import TaskService
+from sluice.api.waiter import CompletionWaiter
 from sluice.aws import client
 from sluice.contract import (
     BatchAccepted,
@@ -145,6 +147,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     service = TaskService(settings)
+    waiter = CompletionWaiter(service.store)
     keys = ApiKeys(settings) if settings.auth_mode == "table" else None
     limiter = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst) if settings.rate_limit_per_s > 0 else None
 
@@ -248,8 +251,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return service.submit_batch(tenant_id, body, idempotency_key)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
-    def get_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
-        return service.get(tenant_id, task_id)
+    async def get_task(
+        task_id: TaskId,
+        tenant_id: Tenant,
+        wait_s: Annotated[
+            float,
+            Query(ge=0, le=20, description="Long poll: wait up to this many seconds for the task to be final."),
+        ] = 0,
+    ) -> TaskView:
+        view = await run_in_threadpool(service.get, tenant_id, task_id)
+        if wait_s and not view.status.is_terminal:
+            record = await waiter.wait(task_id, wait_s)
+            if record is not None:
+                view = await run_in_threadpool(service.view, record)
+        return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
     def cancel_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:

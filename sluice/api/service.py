@@ -363,7 +363,9 @@ class TaskService:
         return record
 
     def get(self, tenant_id: str, task_id: str) -> TaskView:
-        record = self._owned(tenant_id, task_id)
+        return self.view(self._owned(tenant_id, task_id))
+
+    def view(self, record: TaskRecord) -> TaskView:
         result = json.loads(record.result_json) if record.result_json else None
         url = self.payloads.presigned_get(record.result_key) if record.result_key else None
         return record.to_view(result=result, result_url=url)

@@ -97,3 +97,26 @@ def test_large_inputs_and_results_travel_through_s3(api, settings, runner):
     with urllib.request.urlopen(view["result_url"], timeout=5) as response:
         result = json.loads(response.read())
     assert [o["length"] for o in result["outputs"]] == [len(t) for t in texts]
+
+
+def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner):
+    import threading
+
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["wait for me"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    queued = api.get(f"/v1/tasks/{task_id}?wait_s=0.3", headers={"x-api-key": api.key_a})
+    assert queued.status_code == 200 and queued.json()["status"] == "queued"  # timed out, still queued
+    batch = receive_all(settings, 1)
+    finisher = threading.Thread(target=run_once, args=(runner, batch))
+    views = []
+    waiting = threading.Thread(target=lambda: views.append(
+        api.get(f"/v1/tasks/{task_id}?wait_s=15", headers={"x-api-key": api.key_a}).json()))
+    waiting.start()
+    finisher.start()
+    finisher.join(15)
+    waiting.join(15)
+    assert not waiting.is_alive(), "the long poll did not return when the task finished"
+    assert views[0]["status"] == "succeeded" and views[0]["result"]["outputs"][0]["length"] == 11
+    other = api.get(f"/v1/tasks/{task_id}?wait_s=1", headers={"x-api-key": api.key_b})
+    assert other.status_code == 404
+    assert api.get(f"/v1/tasks/{task_id}?wait_s=21", headers={"x-api-key": api.key_a}).status_code == 422
