@@ -1,6 +1,7 @@
 """End-to-end against peers: 2000 one-sentence requests from 64 concurrent
-clients, each waiting for its own result, against Sluice (submit, then poll
-every POLL_S as `sluice submit --wait` does), Ray Serve and Celery + Redis (in
+clients, each waiting for its own result, against Sluice (submit, then a long
+poll `GET /v1/tasks/{id}?wait_s=` as `sluice submit --wait` does; or, with
+poll_s set, a plain poll every poll_s), Ray Serve and Celery + Redis (in
 .venv-peers, when it exists), and the raw model in the same run."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from bench.common import ROOT, Http, closed_loop, log, save, sentence, stack
 from bench.worker import raw
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
-POLL_S = 0.1
+LONG_POLL_S = 10
 # Measured on a machine like this one (2 cores), not in this run: ../shared/NOTES.md.
 REFERENCE = {
     "Ray Serve": {"per_s": 149, "p50_ms": 419, "p99_ms": 717,
@@ -25,7 +26,7 @@ REFERENCE = {
 
 
 def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, env: dict | None = None,
-           poll_s: float = POLL_S) -> dict:
+           poll_s: float | None = None) -> dict:
     env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_TORCH_THREADS": str(threads), **(env or {})}
     with stack(workers=workers, api=True, sqs=sqs, env=env) as s:
         key = s.create_key("bench")
@@ -35,8 +36,11 @@ def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, en
             if status != 202:
                 raise RuntimeError(f"submit {status} {body}")
             path = f"/v1/tasks/{body['task_id']}"
+            if poll_s is None:
+                path += f"?wait_s={LONG_POLL_S}"
             while True:
-                time.sleep(poll_s)
+                if poll_s is not None:
+                    time.sleep(poll_s)
                 status, view = client.call("GET", path)
                 if status != 200:
                     raise RuntimeError(f"get {status}")
@@ -53,7 +57,7 @@ def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, en
         warm_s = time.monotonic() - t0
         r = closed_loop(requests, clients, make, one, timeout_s=300)
     return {"system": "Sluice", "config": f"{workers} worker(s) x {threads} torch thread(s), {sqs} SQS + moto "
-            f"DynamoDB, poll every {int(poll_s * 1000)} ms", "warm_s": round(warm_s, 1), "env": env, **r.summary()}
+            f"DynamoDB, " + (f"poll every {int(poll_s * 1000)} ms" if poll_s else f"long poll (wait_s={LONG_POLL_S})"), "warm_s": round(warm_s, 1), "env": env, **r.summary()}
 
 
 def peer(module: str, requests: int, clients: int) -> dict | None:

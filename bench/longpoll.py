@@ -1,0 +1,19 @@
+"""Plain polling against the long poll, one run: 600 one-sentence requests,
+64 clients, 1 worker x 2 threads, LocalStack SQS, moto DynamoDB.
+`.venv/bin/python -m bench.longpoll`"""
+
+from bench.common import log
+from bench.e2e import sluice
+
+
+def main() -> dict:
+    out = {}
+    for name, poll in (("poll every 100 ms", 0.1), ("long poll", None)):
+        r = sluice(600, 64, 1, 2, "localstack", poll_s=poll)
+        out[name] = {k: r[k] for k in ("per_s", "p50_ms", "p99_ms", "completed", "errors")}
+        log(f"longpoll: {name}: {out[name]}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
