@@ -19,8 +19,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
@@ -28,6 +27,7 @@ from pydantic import ValidationError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import Change, TaskStore
 from sluice.contract import TaskMessage, TaskStatus, now_ms
+from sluice.outcomes import Job, Outcome, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
@@ -40,26 +40,6 @@ class Delivery:
     message_id: str
     body: str
     receive_count: int
-
-
-@dataclass
-class Job:
-    message: TaskMessage
-    deliveries: list[Delivery]
-    inputs: list[str] = field(default_factory=list)
-
-    @property
-    def attempts(self) -> int:
-        return max(d.receive_count for d in self.deliveries)
-
-
-@dataclass
-class Outcome:
-    job: Job
-    result: Any = None
-    error: str | None = None
-    inference_ms: int = 0
-    batch_size: int = 0
 
 
 class Dispatcher:
@@ -183,38 +163,16 @@ class Dispatcher:
     # ------------------------------------------------------------ record
     def _record(self, outcomes: list[Outcome], retry: dict[str, str]) -> None:
         now = now_ms()
-        changes: list[Change] = []
-        uploads: list[tuple[str, bytes]] = []
-        for o in outcomes:
-            tid = o.job.message.task_id
-            if o.error is None:
-                values: dict[str, Any] = {
-                    "status": TaskStatus.succeeded.value,
-                    "finished_at": now,
-                    "inference_ms": o.inference_ms,
-                    "batch_size": o.batch_size,
-                }
-                body = json.dumps(o.result, separators=(",", ":"))
-                if len(body) > self.settings.inline_result_max_bytes:
-                    key = self.payloads.result_key(o.job.message.tenant_id, tid)
-                    uploads.append((key, body.encode()))
-                    values["result_key"] = key
-                else:
-                    values["result_json"] = body
-                changes.append(Change(tid, values, (TaskStatus.running,), remove=("error_code", "error_message")))
-                continue
-            values = {"error_code": "model_error", "error_message": o.error[:1000]}
-            if o.job.attempts >= self.settings.max_attempts:
-                # Final: the record says failed, and the message's next receive
-                # moves it to the dead-letter queue for inspection.
-                values.update(status=TaskStatus.failed.value, finished_at=now)
-            changes.append(Change(tid, values, (TaskStatus.running,)))
-            self._retry(retry, o.job, o.error)
-        list(self.pool.map(lambda kv: self.payloads.put_json(*kv), uploads))
-        if changes:
+        plan = plan_outcomes(outcomes, now, self.settings)
+        list(self.pool.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
+        if plan.changes:
             # A rejected change means another delivery already finished the task:
             # its outcome stands, and this message is simply acknowledged.
-            self.store.apply_many(changes)
+            self.store.apply_many(plan.changes)
+        # Failed for good or not: SQS redelivers, and after maxReceiveCount the
+        # message of a task marked failed lands in the dead-letter queue.
+        for o in plan.retry + plan.failed:
+            self._retry(retry, o.job, o.error)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
 

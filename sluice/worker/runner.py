@@ -10,13 +10,12 @@ queue calls of one batch overlap the model's forward pass of the next:
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,35 +23,13 @@ from pydantic import ValidationError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import Change, TaskStore
-from sluice.contract import TaskMessage, TaskRecord, TaskStatus, now_ms
+from sluice.contract import TaskStatus, now_ms
+from sluice.outcomes import Job, Outcome, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
 
 _ACTIVE = (TaskStatus.queued, TaskStatus.running)
-
-
-@dataclass
-class Job:
-    """One task of a batch, with every delivery of it that the batch holds."""
-
-    message: TaskMessage
-    deliveries: list[Received]
-    inputs: list[str] = field(default_factory=list)
-
-    @property
-    def attempts(self) -> int:
-        return max(d.receive_count for d in self.deliveries)
-
-
-@dataclass
-class Outcome:
-    job: Job
-    result: Any = None
-    error: str | None = None
-    inference_ms: int = 0
-    batch_size: int = 0
-    model_version: str | None = None
 
 
 @dataclass
@@ -195,64 +172,21 @@ class BatchRunner:
     # -------------------------------------------------------------- finish
     def finish(self, prepared: Prepared, outcomes: list[Outcome]) -> None:
         now = now_ms()
-        changes: list[Change] = []
-        done: list[Received] = list(prepared.ack)
-        retry: list[Received] = []
-        to_dlq: list[Received] = []
-        uploads: list[tuple[str, bytes]] = []
-        for o in outcomes:
-            tid = o.job.message.task_id
-            if o.error is None:
-                values: dict[str, Any] = {
-                    "status": TaskStatus.succeeded.value,
-                    "finished_at": now,
-                    "inference_ms": o.inference_ms,
-                    "batch_size": o.batch_size,
-                }
-                body = json.dumps(o.result, separators=(",", ":"))
-                if len(body) > self.settings.inline_result_max_bytes:
-                    key = self.payloads.result_key(o.job.message.tenant_id, tid)
-                    uploads.append((key, body.encode()))
-                    values["result_key"] = key
-                else:
-                    values["result_json"] = body
-                changes.append(Change(tid, values, (TaskStatus.running,), remove=("error_code", "error_message")))
-                done += o.job.deliveries
-            elif o.job.attempts >= self.settings.max_attempts:
-                changes.append(
-                    Change(
-                        tid,
-                        {
-                            "status": TaskStatus.failed.value,
-                            "finished_at": now,
-                            "error_code": "model_error",
-                            "error_message": o.error[:1000],
-                        },
-                        (TaskStatus.running,),
-                    )
-                )
-                # Not deleted: its next receive moves it to the dead-letter queue.
-                to_dlq += o.job.deliveries
-            else:
-                changes.append(
-                    Change(
-                        tid,
-                        {"error_code": "model_error", "error_message": o.error[:1000]},
-                        (TaskStatus.running,),
-                    )
-                )
-                retry += o.job.deliveries
-        list(self.io.map(lambda kv: self.payloads.put_json(*kv), uploads))
-        if changes:
+        plan = plan_outcomes(outcomes, now, self.settings)
+        list(self.io.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
+        if plan.changes:
             # A rejected outcome means another delivery already finished the
             # task: its result stands and this message is simply acknowledged.
-            self.store.apply_many(changes)
+            self.store.apply_many(plan.changes)
+        done = list(prepared.ack) + [d for o in plan.succeeded for d in o.job.deliveries]
         if done:
             self.queues.delete_many(done)
-        if to_dlq:
-            self.queues.change_visibility_many(to_dlq, 0)
-        if retry:
-            self.queues.change_visibility_many(retry, min(30, 2 ** max(o.job.attempts for o in outcomes if o.error)))
+        if plan.failed:
+            # Not deleted: visible at once, its next receive moves it to the DLQ.
+            self.queues.change_visibility_many([d for o in plan.failed for d in o.job.deliveries], 0)
+        if plan.retry:
+            backoff_s = min(30, 2 ** max(o.job.attempts for o in plan.retry))
+            self.queues.change_visibility_many([d for o in plan.retry for d in o.job.deliveries], backoff_s)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
 
