@@ -48,3 +48,17 @@ def build(name: str, **options) -> Model:
     module_name, class_name = spec.factory.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(**options)
+
+
+def load_models(names: list[str], torch_threads: int = 0) -> dict[str, Model]:
+    """Build and load each named model once, for a worker or a serving process."""
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    models: dict[str, Model] = {}
+    for name in names:
+        model = build(name)
+        model.load()
+        models[name] = model
+    return models

@@ -22,7 +22,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from models.base import ModelInputError
-from models.registry import build
+from models.registry import load_models
 from sluice.contract import MAX_INPUT_CHARS
 from sluice.settings import Settings
 
@@ -144,15 +144,7 @@ def make_server(endpoint: Endpoint, host: str, port: int) -> ThreadingHTTPServer
 
 
 def load_endpoint(settings: Settings) -> Endpoint:
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
-    models = {}
-    for name in settings.model_names():
-        model = build(name)
-        model.load()
-        models[name] = model
+    models = load_models(settings.model_names(), settings.torch_threads)
     max_mb = float(os.environ.get("SAGEMAKER_MAX_PAYLOAD_IN_MB", "6"))
     return Endpoint(models, default_model=settings.model_names()[0], max_payload_bytes=int(max_mb * 2**20))
 

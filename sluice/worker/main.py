@@ -142,21 +142,6 @@ class Worker:
             self.pipeline.stopping.set()
 
 
-def load_models(settings: Settings) -> dict:
-    from models.registry import build
-
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
-    models = {}
-    for name in settings.model_names():
-        model = build(name)
-        model.load()
-        models[name] = model
-    return models
-
-
 def main() -> int:
     logging.basicConfig(
         level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
@@ -165,7 +150,9 @@ def main() -> int:
     )
     logging.getLogger("botocore").setLevel(logging.WARNING)
     settings = Settings()
-    worker = Worker(settings, load_models(settings))
+    from models.registry import load_models
+
+    worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads))
     signal.signal(signal.SIGTERM, worker.stop)
     signal.signal(signal.SIGINT, worker.stop)
     return worker.run()
