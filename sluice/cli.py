@@ -71,11 +71,12 @@ def cmd_submit(args) -> int:
         return _print(status, payload)
     task_id = payload["task_id"]
     deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        status, payload = _http("GET", f"/v1/tasks/{task_id}", None, args)
+    while (remaining := deadline - time.monotonic()) > 0:
+        # Long poll: the API answers as soon as the task is final.
+        wait_s = round(min(remaining, 20), 1)
+        status, payload = _http("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
         if status >= 400 or payload.get("status") not in ("queued", "running"):
             return _print(status, payload)
-        time.sleep(0.1)
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2
 
