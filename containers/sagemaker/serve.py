@@ -1,9 +1,19 @@
 """SageMaker serving entrypoint: the worker image started as `docker run IMAGE serve`.
 
 SageMaker's container contract: GET /ping answers 200 once the model is ready,
-POST /invocations runs one request, both on port 8080. A request carries a batch
-of inputs, run through the model in chunks of its max_batch_size; the result has
-the same shape as an async task's result, so clients read both the same way.
+POST /invocations runs one request, both on port 8080. A request takes one of
+two forms:
+
+- one task: {"model", "inputs": [...]} -> {"model", "model_version", "result"},
+  the result shaped as an async task's result, so clients read both the same way;
+- many tasks: {"model", "tasks": [{"task_id", "inputs": [...]}, ...]} ->
+  {"model", "model_version", "tasks": [{"task_id", "result"} | {"task_id", "error"}]},
+  in request order. The dispatcher Lambda sends a whole SQS batch this way so
+  that its tasks share the model's batches on the GPU.
+
+Either way the inputs run through the model in chunks of its max_batch_size. In
+the many-task form a model failure is bisected (sluice.isolation) until the
+task that causes it stands alone, and only that task gets an error.
 
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
@@ -24,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from models.base import ModelInputError
 from models.registry import load_models
 from sluice.contract import MAX_INPUT_CHARS
+from sluice.isolation import run_isolating
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.sagemaker")
@@ -50,6 +61,11 @@ class Endpoint:
         if content_type and content_type.split(";")[0].strip().lower() not in (JSON, "application/x-json"):
             raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type",
                                f"send {JSON}, not {content_type}")
+        # The HTTP handler checks Content-Length first; this covers callers that
+        # hand a body over directly.
+        if len(body) > self.max_payload_bytes:
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "payload_too_large",
+                               f"request body is over {self.max_payload_bytes} bytes")
         try:
             request = json.loads(body)
         except ValueError:
@@ -64,21 +80,78 @@ class Endpoint:
         if model is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "unknown_model",
                                f"unknown model {name!r}; served: {', '.join(sorted(self.models))}")
+        if "tasks" in request:
+            return self._invoke_tasks(name, model, request["tasks"])
         inputs = request.get("inputs")
-        if not isinstance(inputs, list) or not inputs:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "inputs must be a non-empty list")
-        for i, text in enumerate(inputs):
-            if not isinstance(text, str) or not 1 <= len(text) <= MAX_INPUT_CHARS:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
-                                   f"inputs[{i}] must be a string of 1 to {MAX_INPUT_CHARS} characters")
-        outputs: list = []
+        problem = _inputs_problem(inputs, "inputs")
+        if problem:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", problem)
         try:
             with self._locks[name]:
-                for start in range(0, len(inputs), model.max_batch_size):
-                    outputs += model.predict_batch(inputs[start : start + model.max_batch_size])
+                outputs = _predict(model, inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
         return {"model": name, "model_version": model.version, "result": model.result_for_task(outputs)}
+
+    def _invoke_tasks(self, name: str, model, tasks) -> dict:
+        if not isinstance(tasks, list) or not tasks:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "tasks must be a non-empty list")
+        answers: list[dict | None] = [None] * len(tasks)
+        runnable: list[tuple[int, str, list[str]]] = []
+        for i, task in enumerate(tasks):
+            task_id = task.get("task_id") if isinstance(task, dict) else None
+            if not isinstance(task_id, str) or not task_id:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
+                                   f"tasks[{i}] must be an object with a task_id string")
+            # A bad task is that task's error, not the request's: the others still run.
+            problem = _inputs_problem(task.get("inputs"), f"tasks[{i}].inputs")
+            if problem:
+                answers[i] = {"task_id": task_id, "error": {"code": "validation_error", "message": problem}}
+            else:
+                runnable.append((i, task_id, task["inputs"]))
+
+        def run(group: list[tuple[int, str, list[str]]]) -> list[dict]:
+            outputs = _predict(model, [text for _, _, inputs in group for text in inputs])
+            answered, offset = [], 0
+            for _, task_id, inputs in group:
+                result = model.result_for_task(outputs[offset : offset + len(inputs)])
+                answered.append({"task_id": task_id, "result": result})
+                offset += len(inputs)
+            return answered
+
+        def failed(task: tuple[int, str, list[str]], exc: Exception) -> dict:
+            if isinstance(exc, ModelInputError):
+                return {"task_id": task[1], "error": {"code": "invalid_input", "message": str(exc)}}
+            # Logged here in full; the caller gets no internals, as with a 500.
+            log.error("the model failed on task %s", task[1], exc_info=exc)
+            return {"task_id": task[1], "error": {"code": "model_error",
+                                                   "message": f"the model failed on this task ({type(exc).__name__})"}}
+
+        if runnable:
+            with self._locks[name]:
+                results = run_isolating(run, runnable, failed)
+            for (i, _, _), answer in zip(runnable, results):
+                answers[i] = answer
+        return {"model": name, "model_version": model.version, "tasks": answers}
+
+
+def _inputs_problem(inputs, where: str) -> str | None:
+    if not isinstance(inputs, list) or not inputs:
+        return f"{where} must be a non-empty list"
+    for i, text in enumerate(inputs):
+        if not isinstance(text, str) or not 1 <= len(text) <= MAX_INPUT_CHARS:
+            return f"{where}[{i}] must be a string of 1 to {MAX_INPUT_CHARS} characters"
+    return None
+
+
+def _predict(model, inputs: list[str]) -> list:
+    outputs: list = []
+    for start in range(0, len(inputs), model.max_batch_size):
+        outputs += model.predict_batch(inputs[start : start + model.max_batch_size])
+    # A short answer would shift every later task's outputs onto the wrong task.
+    if len(outputs) != len(inputs):
+        raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
+    return outputs
 
 
 def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:

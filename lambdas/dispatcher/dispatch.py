@@ -6,11 +6,17 @@ SQS redeliver what failed until maxReceiveCount moves it to the DLQ. The only
 differences: Lambda deletes the messages it is told succeeded, and the model
 runs behind an endpoint.
 
-The endpoint speaks containers/sagemaker/serve.py's contract: one task per
-invocation, {"model": name, "inputs": [...]} -> {"model_version", "result"},
-where the result already has the task's shape. Invocations for the tasks of
-a batch run concurrently; a 4xx (a bad input) or 5xx is a failed attempt of
-that task alone.
+The endpoint speaks containers/sagemaker/serve.py's many-task contract: the
+runnable tasks of a batch go in one invocation per model,
+{"model", "tasks": [{"task_id", "inputs"}, ...]} -> {"model_version", "tasks":
+[{"task_id", "result"} | {"task_id", "error"}]}, so that they share the model's
+batches on the GPU; each result already has its task's shape. The server
+isolates a failing task by bisection, so a per-task error is a failed attempt
+of that task alone. An invocation is split only to stay within
+SageMaker's payload limits (tasks, inputs and bytes per call, see Dispatcher);
+the parts run concurrently. An invocation that fails as a whole (a 4xx or 5xx
+from the endpoint, a timeout, an unreadable answer) is a failed attempt of
+every task in it.
 """
 
 from __future__ import annotations
@@ -43,10 +49,26 @@ class Delivery:
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, endpoint: str, runtime, metrics=None, concurrency: int = 8):
+    def __init__(
+        self,
+        settings: Settings,
+        endpoint: str,
+        runtime,
+        metrics=None,
+        concurrency: int = 8,
+        max_tasks_per_call: int = 64,
+        max_inputs_per_call: int = 256,
+        max_call_bytes: int = 5 * 2**20,
+    ):
         self.settings = settings
         self.endpoint = endpoint
         self.runtime = runtime
+        # SageMaker caps a request and its response at 6 MB each. The byte cap
+        # bounds the request with headroom; the input cap bounds the response
+        # (256 MiniLM embeddings are about 2 MB of JSON).
+        self.max_tasks_per_call = max_tasks_per_call
+        self.max_inputs_per_call = max_inputs_per_call
+        self.max_call_bytes = max_call_bytes
         self.store = TaskStore(settings)
         self.payloads = PayloadStore(settings)
         self.metrics = metrics
@@ -137,28 +159,72 @@ class Dispatcher:
 
     # ------------------------------------------------------------ infer
     def _infer(self, jobs: list[Job]) -> list[Outcome]:
-        return list(self.pool.map(self._invoke, jobs))
+        by_model: dict[str, list[Job]] = {}
+        for job in jobs:
+            by_model.setdefault(job.message.model, []).append(job)
+        calls = [call for name, group in by_model.items() for call in self._calls(name, group)]
+        return [o for outcomes in self.pool.map(lambda call: self._invoke(*call), calls) for o in outcomes]
 
-    def _invoke(self, job: Job) -> Outcome:
-        payload = {"model": job.message.model, "inputs": job.inputs}
+    def _calls(self, model: str, jobs: list[Job]) -> list[tuple[str, list[Job]]]:
+        """Split one model's jobs into as few invocations as the limits allow, in order."""
+        calls: list[tuple[str, list[Job]]] = []
+        current: list[Job] = []
+        inputs = size = 0
+        for job in jobs:
+            job_size = len(_task_json(job)) + 1
+            job_inputs = len(job.inputs)
+            if current and (
+                len(current) >= self.max_tasks_per_call
+                or inputs + job_inputs > self.max_inputs_per_call
+                or size + job_size > self.max_call_bytes
+            ):
+                calls.append((model, current))
+                current, inputs, size = [], 0, 0
+            # A job over a limit on its own still goes alone: the endpoint's
+            # refusal is then that task's failed attempt, as it always was.
+            current.append(job)
+            inputs += job_inputs
+            size += job_size
+        if current:
+            calls.append((model, current))
+        return calls
+
+    def _invoke(self, model: str, jobs: list[Job]) -> list[Outcome]:
+        body = b'{"model":' + json.dumps(model).encode() + b',"tasks":[' + b",".join(map(_task_json, jobs)) + b"]}"
+        n_inputs = sum(len(job.inputs) for job in jobs)
         started = time.perf_counter()
         try:
             response = self.runtime.invoke_endpoint(
                 EndpointName=self.endpoint,
                 ContentType="application/json",
                 Accept="application/json",
-                Body=json.dumps(payload, separators=(",", ":")).encode(),
+                Body=body,
             )
-            body = json.loads(response["Body"].read())
-            result = body["result"]
+            answer = json.loads(response["Body"].read())
+            answers = {a["task_id"]: a for a in answer["tasks"]}
+            version = answer.get("model_version")
         except (BotoCoreError, ClientError, ValueError, KeyError, TypeError) as exc:
             reason = f"endpoint call failed: {_describe(exc)}"
-            log.warning(reason, extra={"task_id": job.message.task_id, "model": job.message.model})
-            return Outcome(job, error=reason)
+            log.warning(reason, extra={"model": model, "tasks": len(jobs)})
+            return [Outcome(job, error=reason) for job in jobs]
         elapsed_ms = int((time.perf_counter() - started) * 1000)
         if self.metrics:
-            self.metrics.record_batch(len(job.inputs), elapsed_ms)
-        return Outcome(job, result=result, inference_ms=elapsed_ms, batch_size=len(job.inputs))
+            self.metrics.record_batch(n_inputs, elapsed_ms)
+        outcomes = []
+        for job in jobs:
+            a = answers.get(job.message.task_id)
+            if not isinstance(a, dict) or ("result" not in a and "error" not in a):
+                outcomes.append(Outcome(job, error="endpoint call failed: no answer for this task"))
+            elif "error" in a:
+                error = a["error"] if isinstance(a["error"], dict) else {"message": str(a["error"])}
+                reason = f"{error.get('code', 'model_error')}: {error.get('message', '')}"
+                outcomes.append(Outcome(job, error=reason, model_version=version))
+            else:
+                outcomes.append(
+                    Outcome(job, result=a["result"], inference_ms=elapsed_ms, batch_size=n_inputs,
+                            model_version=version)
+                )
+        return outcomes
 
     # ------------------------------------------------------------ record
     def _record(self, outcomes: list[Outcome], retry: dict[str, str]) -> None:
@@ -180,6 +246,10 @@ class Dispatcher:
     def _retry(retry: dict[str, str], job: Job, reason: str) -> None:
         for d in job.deliveries:
             retry[d.message_id] = reason
+
+
+def _task_json(job: Job) -> bytes:
+    return json.dumps({"task_id": job.message.task_id, "inputs": job.inputs}, separators=(",", ":")).encode()
 
 
 def _describe(exc: Exception) -> str:

@@ -24,6 +24,7 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import Change, TaskStore
 from sluice.contract import TaskStatus, now_ms
+from sluice.isolation import run_isolating
 from sluice.outcomes import Job, Outcome, plan_outcomes
 from sluice.settings import Settings
 
@@ -132,15 +133,11 @@ class BatchRunner:
         return outcomes
 
     def _run_isolating(self, model, jobs: list[Job]) -> list[Outcome]:
-        """Run jobs together; if the model raises, split the batch in halves
-        until the failing task stands alone, so healthy tasks still succeed."""
-        try:
-            return self._run(model, jobs)
-        except Exception as exc:  # the model's failure is data here, not a crash
-            if len(jobs) == 1:
-                return [Outcome(jobs[0], error=f"{type(exc).__name__}: {exc}", model_version=model.version)]
-            middle = len(jobs) // 2
-            return self._run_isolating(model, jobs[:middle]) + self._run_isolating(model, jobs[middle:])
+        return run_isolating(
+            lambda group: self._run(model, group),
+            jobs,
+            lambda job, exc: Outcome(job, error=f"{type(exc).__name__}: {exc}", model_version=model.version),
+        )
 
     def _run(self, model, jobs: list[Job]) -> list[Outcome]:
         flat = [text for job in jobs for text in job.inputs]

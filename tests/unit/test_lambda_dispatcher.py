@@ -11,6 +11,7 @@ AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import re
 import threading
@@ -164,16 +165,23 @@ def message_ids(event: dict, task_ids: list[str]) -> set[str]:
     return {r["messageId"] for r in event["Records"] if json.loads(r["body"])["task_id"] in task_ids}
 
 
-def test_a_batch_succeeds_and_every_message_is_released(dispatch, settings):
+def test_a_batch_is_one_invocation_and_every_message_is_released(dispatch, settings):
     ids = submit(settings, *({"model": "synthetic", "inputs": [f"text {i}", "more"]} for i in range(4)))
+    SageMakerRuntime.calls.clear()
     response = dispatch(sqs_event(settings, 4))
     assert response == {"batchItemFailures": []}
+    # One invocation carries the whole batch, so its 8 inputs share a model batch.
+    assert len(SageMakerRuntime.calls) == 1
+    (call,) = SageMakerRuntime.calls
+    assert call["model"] == "synthetic" and sorted(t["task_id"] for t in call["tasks"]) == sorted(ids)
     store = TaskStore(settings)
     for task_id in ids:
         record = store.get(task_id)
         assert record.status == TaskStatus.succeeded
-        assert len(json.loads(record.result_json)["outputs"]) == 2
-        assert record.attempts == 1 and record.batch_size == 2 and record.model_version == "1"
+        outputs = json.loads(record.result_json)["outputs"]
+        assert [o["length"] for o in outputs] == [len(record_input) for record_input in
+                                                  next(t["inputs"] for t in call["tasks"] if t["task_id"] == task_id)]
+        assert record.attempts == 1 and record.batch_size == 8 and record.model_version == "1"
         assert record.started_at >= record.created_at and record.finished_at >= record.started_at
 
 
@@ -181,7 +189,9 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     good = submit(settings, *({"model": "synthetic", "inputs": [f"ok {i}"]} for i in range(3)))
     bad = submit(settings, {"model": "synthetic", "inputs": ["boom !fail"]})
     event = sqs_event(settings, 4)
+    SageMakerRuntime.calls.clear()
     response = dispatch(event)
+    assert len(SageMakerRuntime.calls) == 1  # the endpoint isolates the poison task, not the dispatcher
     assert failed_ids(response) == message_ids(event, bad)
     store = TaskStore(settings)
     assert all(store.get(t).status == TaskStatus.succeeded for t in good)
@@ -251,6 +261,45 @@ def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, setti
         record = store.get(task_id)
         assert record.status == TaskStatus.running and record.attempts == 1
         assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
+
+
+def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, settings, monkeypatch):
+    ids = submit(settings, *({"model": "synthetic", "inputs": [f"t{i}", "u"]} for i in range(5)))
+    bad = submit(settings, {"model": "synthetic", "inputs": ["x", "y !fail"]})
+    d = dispatch.module.dispatcher()
+    monkeypatch.setattr(d, "max_tasks_per_call", 4)
+    monkeypatch.setattr(d, "max_inputs_per_call", 6)
+    event = sqs_event(settings, 6)
+    SageMakerRuntime.calls.clear()
+    response = dispatch(event)
+    calls = SageMakerRuntime.calls
+    assert len(calls) == 2 and all(len(c["tasks"]) <= 4 for c in calls)
+    assert all(sum(len(t["inputs"]) for t in c["tasks"]) <= 6 for c in calls)
+    assert failed_ids(response) == message_ids(event, bad)
+    store = TaskStore(settings)
+    assert all(store.get(t).status == TaskStatus.succeeded for t in ids)
+    assert store.get(bad[0]).status == TaskStatus.running and "!fail" in store.get(bad[0]).error_message
+
+
+def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_attempt(dispatch, settings, monkeypatch):
+    ids = submit(settings, *({"model": "synthetic", "inputs": [f"v{i}"]} for i in range(3)))
+    d = dispatch.module.dispatcher()
+    real = d.runtime.invoke_endpoint
+
+    def reorder_and_drop(**kwargs):
+        response = real(**kwargs)
+        body = json.loads(response["Body"].read())
+        body["tasks"] = [a for a in reversed(body["tasks"]) if a["task_id"] != ids[1]]
+        return {**response, "Body": io.BytesIO(json.dumps(body).encode())}
+
+    monkeypatch.setattr(d.runtime, "invoke_endpoint", reorder_and_drop)
+    event = sqs_event(settings, 3)
+    assert failed_ids(dispatch(event)) == message_ids(event, [ids[1]])
+    store = TaskStore(settings)
+    for i in (0, 2):
+        assert json.loads(store.get(ids[i]).result_json)["outputs"][0]["length"] == len(f"v{i}")
+    missing = store.get(ids[1])
+    assert missing.status == TaskStatus.running and "no answer for this task" in missing.error_message
 
 
 def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monkeypatch):

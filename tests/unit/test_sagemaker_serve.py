@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from models.base import ModelInputError
+from models.synthetic import SyntheticModel
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "containers" / "sagemaker" / "serve.py"
@@ -126,6 +127,79 @@ def test_a_model_crash_is_500_without_internals(server):
     assert "secret" not in json.dumps(body)
 
 
+def test_many_tasks_share_the_model_batches_and_keep_their_order(server):
+    port, model = server
+    tasks = [{"task_id": f"task-{i}", "inputs": [f"t{i}-{j}" for j in range(i + 1)]} for i in range(4)]
+    status, body = call(port, "POST", "/invocations", {"model": "echo", "tasks": tasks})
+    assert status == 200
+    assert body == {
+        "model": "echo",
+        "model_version": "1",
+        "tasks": [{"task_id": t["task_id"], "result": {"outputs": [x.upper() for x in t["inputs"]]}} for t in tasks],
+    }
+    # 10 inputs of 4 tasks packed together, not one model call per task.
+    assert model.batches == [["t0-0", "t1-0", "t1-1", "t2-0"], ["t2-1", "t2-2", "t3-0", "t3-1"], ["t3-2", "t3-3"]]
+
+
+def test_only_the_poison_task_fails_among_healthy_ones():
+    endpoint = serve.Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
+    tasks = [{"task_id": f"ok-{i}", "inputs": [f"text {i}", "more"]} for i in range(7)]
+    tasks.insert(5, {"task_id": "poison", "inputs": ["fine", "boom !fail"]})
+    body = endpoint.invoke(json.dumps({"model": "synthetic", "tasks": tasks}).encode(), "application/json")
+    assert [a["task_id"] for a in body["tasks"]] == [t["task_id"] for t in tasks]
+    for task, answer in zip(tasks, body["tasks"]):
+        if task["task_id"] == "poison":
+            assert "result" not in answer and answer["error"]["code"] == "invalid_input"
+            assert "!fail" in answer["error"]["message"]
+        else:
+            assert "error" not in answer
+            assert [o["length"] for o in answer["result"]["outputs"]] == [len(t) for t in task["inputs"]]
+
+
+def test_a_crash_in_the_many_task_form_is_that_tasks_error_without_internals(server):
+    port, _ = server
+    tasks = [{"task_id": "a", "inputs": ["x"]}, {"task_id": "b", "inputs": ["!crash"]}, {"task_id": "c", "inputs": ["y"]}]
+    status, body = call(port, "POST", "/invocations", {"tasks": tasks})
+    assert status == 200
+    assert body["tasks"][0] == {"task_id": "a", "result": {"outputs": ["X"]}}
+    assert body["tasks"][1]["error"]["code"] == "model_error"
+    assert body["tasks"][2] == {"task_id": "c", "result": {"outputs": ["Y"]}}
+    assert "secret" not in json.dumps(body)
+
+
+def test_a_task_with_bad_inputs_fails_alone(server):
+    port, _ = server
+    tasks = [{"task_id": "a", "inputs": ["x"]}, {"task_id": "b", "inputs": []}, {"task_id": "c", "inputs": ["z" * 9000]}]
+    status, body = call(port, "POST", "/invocations", {"tasks": tasks})
+    assert status == 200
+    assert body["tasks"][0] == {"task_id": "a", "result": {"outputs": ["X"]}}
+    assert [a["error"]["code"] for a in body["tasks"][1:]] == ["validation_error", "validation_error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"tasks": []}, 400, "validation_error"),
+        ({"tasks": "nope"}, 400, "validation_error"),
+        ({"tasks": [{"inputs": ["a"]}]}, 400, "validation_error"),
+        ({"tasks": ["a"]}, 400, "validation_error"),
+        ({"model": "nope", "tasks": [{"task_id": "a", "inputs": ["a"]}]}, 400, "unknown_model"),
+        ({"tasks": [{"task_id": f"t{i}", "inputs": ["y" * 4000]} for i in range(5)]}, 413, "payload_too_large"),
+    ],
+)
+def test_bad_many_task_requests_get_json_errors(server, body, status, code):
+    port, _ = server
+    got_status, got = call(port, "POST", "/invocations", body)
+    assert (got_status, got["error"]["code"]) == (status, code)
+
+
+def test_the_payload_limit_holds_for_a_body_handed_over_directly():
+    endpoint = serve.Endpoint({"echo": Recording()}, default_model="echo", max_payload_bytes=100)
+    with pytest.raises(serve.RequestError) as err:
+        endpoint.invoke(json.dumps({"tasks": [{"task_id": "a", "inputs": ["x" * 200]}]}).encode(), "application/json")
+    assert err.value.code == "payload_too_large"
+
+
 def test_unknown_routes_are_404(server):
     port, _ = server
     assert call(port, "GET", "/nope")[0] == 404
@@ -193,6 +267,14 @@ def test_the_entrypoint_serves_minilm_without_any_web_framework(tmp_path):
 
         status, body = call(port, "POST", "/invocations", {"model": "synthetic", "inputs": ["abc"]})
         assert status == 200 and body["result"]["outputs"][0]["length"] == 3
+
+        tasks = [{"task_id": "t1", "inputs": texts[:2]}, {"task_id": "t2", "inputs": ["Another text."]},
+                 {"task_id": "t3", "inputs": texts[2:]}]
+        status, body = call(port, "POST", "/invocations", {"model": "minilm-embed", "tasks": tasks})
+        assert status == 200 and [a["task_id"] for a in body["tasks"]] == ["t1", "t2", "t3"]
+        # Packed with other tasks' inputs, a task still gets its own embeddings.
+        packed = body["tasks"][0]["result"]["embeddings"] + body["tasks"][2]["result"]["embeddings"]
+        assert all(abs(x - y) < 1e-4 for a, b in zip(packed, vectors, strict=True) for x, y in zip(a, b))
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
