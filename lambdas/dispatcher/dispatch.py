@@ -31,14 +31,13 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import Change, TaskStore
-from sluice.contract import TaskMessage, TaskStatus, now_ms
-from sluice.outcomes import Job, Outcome, plan_outcomes
+from sluice.adapters.task_store import TaskStore
+from sluice.contract import TaskMessage, now_ms
+from sluice.lifecycle import Job, Outcome, claim, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
 
-_ACTIVE = (TaskStatus.queued, TaskStatus.running)
 
 
 @dataclass
@@ -105,36 +104,12 @@ class Dispatcher:
     def _claim(self, jobs: dict[str, Job], retry: dict[str, str]) -> list[Job]:
         if not jobs:
             return []
-        records = self.store.get_many(jobs)
-        now = now_ms()
-        changes: list[Change] = []
-        runnable: list[Job] = []
-        for task_id, job in jobs.items():
-            record = records.get(task_id)
-            if record is None or record.status.is_terminal:
-                continue  # rolled-back submit, duplicate or cancelled: nothing to run
-            if job.message.deadline_at is not None and job.message.deadline_at <= now:
-                changes.append(Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _ACTIVE))
-                continue
-            changes.append(
-                Change(
-                    task_id,
-                    {"status": TaskStatus.running.value, "model_version": self._version(job.message.model)},
-                    _ACTIVE,
-                    set_if_missing={"started_at": now},
-                    add_attempt=True,
-                )
-            )
-            runnable.append(job)
-        rejected = self.store.apply_many(changes) if changes else set()
-        if rejected:
-            fresh = self.store.get_many(rejected)
-            for job in [j for j in runnable if j.message.task_id in rejected]:
-                runnable.remove(job)
-                current = fresh.get(job.message.task_id)
-                if current is not None and not current.status.is_terminal:
-                    self._retry(retry, job, "claim lost to a concurrent update")
-        return runnable
+        # Expired and gone (rolled back, duplicate, cancelled) tasks are simply
+        # acknowledged; a contended claim is tried again by redelivery.
+        claimed = claim(self.store, list(jobs.values()), now_ms(), self._version)
+        for job in claimed.contended:
+            self._retry(retry, job, "claim lost to a concurrent update")
+        return claimed.runnable
 
     def _version(self, model: str) -> str | None:
         from models.registry import get_spec  # torch-free catalogue

@@ -22,15 +22,14 @@ from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
-from sluice.adapters.task_store import Change, TaskStore
-from sluice.contract import TaskStatus, now_ms
+from sluice.adapters.task_store import TaskStore
+from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.outcomes import Job, Outcome, plan_outcomes
+from sluice.lifecycle import Job, Outcome, claim, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
 
-_ACTIVE = (TaskStatus.queued, TaskStatus.running)
 
 
 @dataclass
@@ -65,43 +64,10 @@ class BatchRunner:
             else:
                 jobs[message.task_id] = Job(message, [received])
 
-        # No read first: the conditional update to `running` is the check. It
-        # fails for a missing record (a rolled-back submit) and for a terminal
-        # one (a duplicate, a cancel), and only those few are read back below.
-        # Saves a BatchGetItem per batch on the hot path.
-        now = now_ms()
-        changes: list[Change] = []
-        runnable: list[Job] = []
-        for task_id, job in jobs.items():
-            if job.message.deadline_at is not None and job.message.deadline_at <= now:
-                changes.append(
-                    Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _ACTIVE)
-                )
-                ack += job.deliveries
-            else:
-                changes.append(
-                    Change(
-                        task_id,
-                        {
-                            "status": TaskStatus.running.value,
-                            "model_version": self._version(job.message.model),
-                        },
-                        _ACTIVE,
-                        set_if_missing={"started_at": now},
-                        add_attempt=True,
-                    )
-                )
-                runnable.append(job)
-        rejected = self.store.apply_many(changes) if changes else set()
-        if rejected:
-            # Missing, terminal, or lost a race (most often a cancel): the
-            # message goes once the task is final or gone.
-            fresh = self.store.get_many(rejected)
-            for job in [j for j in runnable if j.message.task_id in rejected]:
-                runnable.remove(job)
-                current = fresh.get(job.message.task_id)
-                if current is None or current.status.is_terminal:
-                    ack += job.deliveries
+        claimed = claim(self.store, list(jobs.values()), now_ms(), self._version)
+        runnable = claimed.runnable
+        # Contended tasks keep their messages: they come back after the visibility timeout.
+        ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         self._load_inputs(runnable)
         return Prepared(runnable, ack)
 
