@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     # `make run` puts SQS on LocalStack (make install builds its venv): moto's SQS
     # slows with queue depth and halved end-to-end throughput (docs/benchmarks.md).
     sqs = os.environ.get("SLUICE_EMBEDDED_SQS") or ("localstack" if LOCALSTACK_PYTHON.exists() else "moto")
-    stack = Stack(api_port=args.port, workers=args.workers, sqs=sqs)
+    # Per-key rate limit on by default here (on AWS, usage plans do it);
+    # SLUICE_RATE_LIMIT_PER_S=0 turns it off (docs/reliability.md).
+    rate_limit = {"SLUICE_RATE_LIMIT_PER_S": os.environ.get("SLUICE_RATE_LIMIT_PER_S", "100")}
+    stack = Stack(api_port=args.port, workers=args.workers, sqs=sqs, env_overrides=rate_limit)
     stopping = False
 
     def on_signal(*_):

@@ -18,7 +18,7 @@ from tests.reliability.harness import CANARY, LOG_DIRS, SECRETS, Ledger, running
 
 pytestmark = pytest.mark.slow
 
-RATE, BURST = 5, 20
+RATE, BURST = 2, 20
 ENV = {"SLUICE_RATE_LIMIT_PER_S": str(RATE), "SLUICE_RATE_LIMIT_BURST": str(BURST), "SLUICE_ACCESS_LOG": "1",
        "SLUICE_MAX_BODY_BYTES": str(256 * 1024)}
 
