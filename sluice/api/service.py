@@ -96,7 +96,7 @@ class Compensator:
             log.error("could not roll back task %s: compensation backlog full", task_id)
             return
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="sluice-compensate", daemon=True)
                 self._thread.start()
 
@@ -106,7 +106,11 @@ class Compensator:
             try:
                 task_id, token, since = self._pending.get(timeout=60)
             except queue.Empty:
-                return
+                with self._lock:  # an item put while this thread decided to stop would wait forever
+                    if self._pending.empty():
+                        self._thread = None
+                        return
+                continue
             try:
                 self.store.delete_if_queued(task_id, token)
                 backoff = 0.5
