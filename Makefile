@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration e2e onprem synth bench clean
+.PHONY: install run test unit integration e2e reliability onprem synth bench clean
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -46,6 +46,9 @@ integration: install
 
 e2e: install
 	$(PY) -m pytest tests/e2e
+
+reliability: install  ## the fault scenarios and the schemathesis run, with their figure lines (docs/reliability.md)
+	$(PY) -m pytest -s tests/reliability tests/contract
 
 onprem: install  ## images, compose, k8s checks and the on-prem parity suite
 	$(PY) -m pytest tests/onprem
