@@ -79,12 +79,12 @@ def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
 
     # A worker's settle round hides DLQ messages for a moment while it reads
     # them (as any SQS reader does), so a listing may briefly miss some.
-    def listed():
+    def listing():
         out = sluice_cli(env, tmp_path, "dlq", "list", "--priority", "normal")
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
+        items = [json.loads(line) for line in out.splitlines() if line.strip()]
+        return items if {i["task_id"] for i in items} == poison else None
 
-    listed = wait_until(lambda: (lambda items: items if {i["task_id"] for i in items} == poison else None)(listed()),
-                        20, "`sluice dlq list` to show the poison tasks")
+    listed = wait_until(listing, 20, "`sluice dlq list` to show the poison tasks")
     assert {item["task_status"] for item in listed} == {"failed"}
     assert all(int(item["attributes"]["ApproximateReceiveCount"]) >= MAX_ATTEMPTS for item in listed)
 
