@@ -87,6 +87,20 @@ def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
     return env
 
 
+def localstack_command(port: int, data_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a LocalStack SQS server on 127.0.0.1:port,
+    its state under data_dir; shared by the embedded profile and tests/onprem."""
+    if not LOCALSTACK_PYTHON.exists():
+        raise RuntimeError(f"{LOCALSTACK_PYTHON} is missing: `make install` creates it")
+    # The service catalog `make install` builds: without it a fresh LocalStack
+    # spends ~10 s building one on its first request.
+    static_libs = data_dir / "usr" / "lib" / "localstack"
+    static_libs.mkdir(parents=True, exist_ok=True)
+    for catalog in LOCALSTACK_CATALOG.glob("service-catalog-*"):
+        shutil.copy(catalog, static_libs)
+    return [str(LOCALSTACK_PYTHON), "-m", "localstack.runtime.main"], localstack_env(port, data_dir)
+
+
 @dataclass
 class Stack:
     """Processes of one embedded stack; also used by the e2e and reliability tests."""
@@ -142,18 +156,9 @@ class Stack:
             wait_http(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
 
     def start_localstack(self) -> subprocess.Popen:
-        if not LOCALSTACK_PYTHON.exists():
-            raise RuntimeError(f"{LOCALSTACK_PYTHON} is missing: `make install` creates it")
         self.sqs_port = self.sqs_port or free_port()
-        data_dir = self.log_dir / "localstack-data"
-        # The service catalog `make install` builds: without it a fresh LocalStack
-        # spends ~10 s building one on its first request.
-        static_libs = data_dir / "usr" / "lib" / "localstack"
-        static_libs.mkdir(parents=True, exist_ok=True)
-        for catalog in LOCALSTACK_CATALOG.glob("service-catalog-*"):
-            shutil.copy(catalog, static_libs)
-        return self._spawn("sqs", [str(LOCALSTACK_PYTHON), "-m", "localstack.runtime.main"],
-                           env=localstack_env(self.sqs_port, data_dir))
+        args, env = localstack_command(self.sqs_port, self.log_dir / "localstack-data")
+        return self._spawn("sqs", args, env=env)
 
     def bootstrap(self) -> None:
         saved = dict(os.environ)

@@ -5,9 +5,7 @@ image entrypoints, each with its own log file. Every wait is bounded."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +16,12 @@ from pathlib import Path
 
 from dockerfile_reader import ROOT
 
+from onprem.embedded import free_port, localstack_command
+
 BIN = Path(sys.executable).parent
-LOCALSTACK_PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
-# Built by `make install`; spares each fresh LocalStack ~10 s on its first request.
-LOCALSTACK_CATALOG = ROOT / ".venv-localstack" / "filesystem" / "usr" / "lib" / "localstack"
 REGION = "us-east-1"
 # SeaweedFS creates its S3 identity from these; every client signs with them.
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "sluice-onprem", "AWS_SECRET_ACCESS_KEY": "sluice-onprem-secret"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:
@@ -122,30 +113,12 @@ class Processes:
 
 
 def start_localstack(procs: Processes, data_dir: Path) -> tuple[Proc, str]:
-    """LocalStack core runtime in host mode (no Docker, no auth token), SQS only."""
-    assert LOCALSTACK_PYTHON.exists(), f"{LOCALSTACK_PYTHON} is missing: `make install` creates it"
-    static_libs = data_dir / "usr" / "lib" / "localstack"
-    static_libs.mkdir(parents=True)
-    for catalog in LOCALSTACK_CATALOG.glob("service-catalog-*"):
-        shutil.copy(catalog, static_libs)
+    """LocalStack core runtime in host mode (no Docker, no auth token), SQS only,
+    started exactly as the embedded profile starts it (onprem/compose.yaml's
+    AWS-shaped queue URLs: SQS_ENDPOINT_STRATEGY=off)."""
     port = free_port()
-    env = {
-        **clean_env(),
-        "OVERRIDE_IN_DOCKER": "0",
-        # hypercorn honours GATEWAY_LISTEN; the default server binds 0.0.0.0.
-        "GATEWAY_SERVER": "hypercorn",
-        "GATEWAY_LISTEN": f"127.0.0.1:{port}",
-        "LOCALSTACK_HOST": f"127.0.0.1:{port}",
-        "SERVICES": "sqs",
-        # As in onprem/compose.yaml: AWS-shaped queue URLs.
-        "SQS_ENDPOINT_STRATEGY": "off",
-        "DNS_ADDRESS": "0",
-        "DISABLE_EVENTS": "1",
-        "SKIP_SSL_CERT_DOWNLOAD": "1",
-        "FILESYSTEM_ROOT": str(data_dir),
-        "LOCALSTACK_VOLUME_DIR": str(data_dir),
-    }
-    proc = procs.start("localstack", [str(LOCALSTACK_PYTHON), "-m", "localstack.runtime.main"], env)
+    args, env = localstack_command(port, data_dir)
+    proc = procs.start("localstack", args, env)
     return proc, f"http://127.0.0.1:{port}"
 
 
