@@ -106,9 +106,10 @@ class Change:
 
 
 class TaskStore:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, ddb=None):
         self.table = settings.tasks_table
-        self.ddb = client("dynamodb", settings)
+        # A caller may bring its own client (tests that must bypass a proxy).
+        self.ddb = ddb or client("dynamodb", settings)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluice-ddb")
 
     def create(self, record: TaskRecord, token: str | None = None) -> None:

@@ -23,8 +23,9 @@ import boto3
 from botocore.config import Config
 
 from onprem.embedded import Stack, free_port, wait_http
-from sluice.adapters.task_store import from_item
+from sluice.adapters.task_store import TaskStore, from_item
 from sluice.contract import Priority, TaskRecord
+from sluice.settings import Settings
 
 # Every input a scenario sends carries this marker, and every key it creates is
 # remembered, so the log check can prove that neither reaches a log.
@@ -128,6 +129,7 @@ class Inspector:
         self.sqs = boto3.client("sqs", **kw)
         self.ddb = boto3.client("dynamodb", **kw)
         self.prefix, self.table = prefix, table
+        self.store = TaskStore(Settings(tasks_table=table), ddb=self.ddb)
         self._urls: dict[str, str] = {}
 
     def queue_url(self, priority: Priority | str, dlq: bool = False) -> str:
@@ -137,16 +139,7 @@ class Inspector:
         return self._urls[name]
 
     def records(self, task_ids) -> dict[str, TaskRecord]:
-        ids, found = list(dict.fromkeys(task_ids)), {}
-        for i in range(0, len(ids), 100):
-            request = {self.table: {"Keys": [{"task_id": {"S": t}} for t in ids[i:i + 100]], "ConsistentRead": True}}
-            while request:
-                response = self.ddb.batch_get_item(RequestItems=request)
-                for item in response["Responses"].get(self.table, []):
-                    record = from_item(item)
-                    found[record.task_id] = record
-                request = response.get("UnprocessedKeys") or {}
-        return found
+        return self.store.get_many(task_ids)
 
     def statuses(self, task_ids) -> dict[str, int]:
         counts: dict[str, int] = {}
