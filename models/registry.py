@@ -4,6 +4,7 @@ here while only workers construct and load them."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 
@@ -53,6 +54,13 @@ def build(name: str, **options) -> Model:
 
 def load_models(names: list[str], torch_threads: int = 0) -> dict[str, Model]:
     """Build and load each named model once, for a worker or a serving process."""
+    # Before a model imports torch and with it the OpenMP runtime: idle OpenMP
+    # threads sleep instead of spinning. A model shares its cores with the
+    # process's own I/O threads; with spinning threads a batch-32 forward took
+    # ~950 ms in the worker against ~50 ms alone, passive ~60-120 ms
+    # (docs/benchmarks.md, "What was changed").
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     models: dict[str, Model] = {}
     for name in names:
         model = build(name)

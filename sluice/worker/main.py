@@ -13,13 +13,6 @@ import sys
 import threading
 import time
 
-# Before torch loads its OpenMP runtime: idle OpenMP threads sleep instead of
-# spinning. The worker shares its cores with its own I/O threads (and, embedded,
-# with the emulators and the API); with spinning threads a batch-32 forward took
-# ~950 ms in the worker against ~50 ms alone, passive ~60-120 ms
-# (docs/benchmarks.md, "torch threads").
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.contract import Priority
 from sluice.dlq import settle_loop

@@ -22,6 +22,7 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._inputs_since_flush = 0
+        self._recorded = False  # Powertools warns on an empty flush: skip those
         self.batches = 0
         self.inputs = 0
 
@@ -30,6 +31,7 @@ class WorkerMetrics:
             self.batches += 1
             self.inputs += size
             self._inputs_since_flush += size
+            self._recorded = True
             self._metrics.add_metric(name="BatchSize", unit=MetricUnit.Count, value=size)
             self._metrics.add_metric(name="InferenceLatency", unit=MetricUnit.Milliseconds, value=inference_ms)
             self._gpu()
@@ -39,6 +41,7 @@ class WorkerMetrics:
             for o in outcomes:
                 name = "TasksSucceeded" if o.error is None else "TaskAttemptsFailed"
                 self._metrics.add_metric(name=name, unit=MetricUnit.Count, value=1)
+                self._recorded = True
         self.maybe_flush()
 
     def maybe_flush(self) -> None:
@@ -47,6 +50,9 @@ class WorkerMetrics:
 
     def flush(self) -> None:
         with self._lock:
+            if not self._recorded:
+                self._last_flush = time.monotonic()
+                return
             elapsed = max(1e-6, time.monotonic() - self._last_flush)
             if self._inputs_since_flush:
                 self._metrics.add_metric(
@@ -58,6 +64,7 @@ class WorkerMetrics:
                 pass  # metrics must never take a worker down
             self._last_flush = time.monotonic()
             self._inputs_since_flush = 0
+            self._recorded = False
 
     def _gpu(self) -> None:
         torch = sys.modules.get("torch")  # only a worker that loaded a torch model reports GPU figures
