@@ -263,7 +263,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if wait_s and not view.status.is_terminal:
             record = await waiter.wait(task_id, wait_s)
             if record is not None:
-                view = await run_in_threadpool(service.view, record)
+                final = record.status.is_terminal
+                view = await run_in_threadpool(service.view, record) if final else \
+                    await run_in_threadpool(service.get, tenant_id, task_id)  # overdue: GET expires it
         return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from sluice.adapters.task_store import TaskStore
-from sluice.contract import TaskRecord
+from sluice.contract import TaskRecord, TaskStatus, now_ms
 
 
 class CompletionWaiter:
@@ -23,7 +23,7 @@ class CompletionWaiter:
         self._poller: asyncio.Task | None = None
 
     async def wait(self, task_id: str, timeout_s: float) -> TaskRecord | None:
-        """The task's record once it is final, or None if timeout_s passes first."""
+        """The task's record once it is final (or overdue), or None if timeout_s passes first."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(task_id, []).append(future)
         if self._poller is None or self._poller.done():
@@ -54,8 +54,13 @@ class CompletionWaiter:
                 # the state they already returned; keep trying meanwhile.
                 await asyncio.sleep(0.5)
                 continue
+            now = now_ms()
             for task_id, record in records.items():
-                if record.status.is_terminal:
+                # A queued task past its deadline will never run: wake its
+                # waiters too, and the route's GET marks it expired.
+                overdue = record.status == TaskStatus.queued and record.deadline_at is not None \
+                    and record.deadline_at <= now
+                if record.status.is_terminal or overdue:
                     for future in self._waiting.get(task_id, []):
                         if not future.done():
                             future.set_result(record)

@@ -120,3 +120,14 @@ def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner):
     other = api.get(f"/v1/tasks/{task_id}?wait_s=1", headers={"x-api-key": api.key_b})
     assert other.status_code == 404
     assert api.get(f"/v1/tasks/{task_id}?wait_s=21", headers={"x-api-key": api.key_a}).status_code == 422
+
+
+def test_long_poll_on_a_task_past_its_deadline_answers_expired_at_once(api, settings):
+    import time
+
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["late"], "deadline_s": 1},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    started = time.monotonic()
+    view = api.get(f"/v1/tasks/{task_id}?wait_s=15", headers={"x-api-key": api.key_a}).json()
+    assert view["status"] == "expired"
+    assert time.monotonic() - started < 10, "the long poll waited past the deadline"
