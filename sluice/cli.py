@@ -75,7 +75,7 @@ def cmd_submit(args) -> int:
         # Long poll: the API answers as soon as the task is final.
         wait_s = round(min(remaining, 20), 1)
         status, payload = _http("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
-        if status >= 400 or payload.get("status") not in ("queued", "running"):
+        if status >= 400 or payload.get("status") != "queued":
             return _print(status, payload)
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2

@@ -36,7 +36,6 @@ class Priority(str, enum.Enum):
 
 class TaskStatus(str, enum.Enum):
     queued = "queued"
-    running = "running"
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -51,14 +50,13 @@ TERMINAL_STATUSES = frozenset(
     {TaskStatus.succeeded, TaskStatus.failed, TaskStatus.cancelled, TaskStatus.expired}
 )
 
-# Every legal move of a task. running -> running is a redelivery (a new attempt);
-# nothing ever leaves a terminal status.
+# Every legal move of a task. A task stays `queued` while a worker runs it: the
+# outcome is its one write (a per-task `running` write would double the table
+# writes of every task), so a cancel is honoured until the result is recorded.
+# Nothing ever leaves a terminal status.
 ALLOWED_TRANSITIONS: dict[TaskStatus, frozenset[TaskStatus]] = {
     TaskStatus.queued: frozenset(
-        {TaskStatus.running, TaskStatus.cancelled, TaskStatus.expired, TaskStatus.failed}
-    ),
-    TaskStatus.running: frozenset(
-        {TaskStatus.running, TaskStatus.succeeded, TaskStatus.failed, TaskStatus.expired}
+        {TaskStatus.succeeded, TaskStatus.failed, TaskStatus.cancelled, TaskStatus.expired}
     ),
     TaskStatus.succeeded: frozenset(),
     TaskStatus.failed: frozenset(),
@@ -149,7 +147,9 @@ class TaskView(BaseModel):
     error: TaskError | None = None
     timings: TaskTimings
     batch_size: int | None = None
-    attempts: int = 0
+    attempts: int = Field(
+        default=0, description="Deliveries of the task to a worker so far, as its last recorded attempt counted them."
+    )
     metadata: dict[str, str] | None = None
 
 

@@ -4,7 +4,7 @@ A message reaches a DLQ after MAX_RECEIVE_COUNT receives. A task whose last
 attempt failed in the model is already `failed` when that happens. But every
 receive counts, including ones that ended without an outcome: a worker killed
 mid-batch, messages handed back on SIGTERM, a reply lost on the network. Such a
-task would stay `queued` or `running` for ever; `settle_dead` (run by every
+task would stay `queued` for ever; `settle_dead` (run by every
 worker now and then, and by `sluice dlq settle`) gives it one.
 """
 
@@ -22,7 +22,7 @@ from sluice.contract import Priority, TaskStatus, now_ms
 
 log = logging.getLogger("sluice.dlq")
 
-_ACTIVE = (TaskStatus.queued, TaskStatus.running)
+_ACTIVE = (TaskStatus.queued,)
 
 
 def _receive_all(queues: PriorityQueues, url: str, limit: int, hide_s: int = 30) -> list[dict]:
@@ -119,7 +119,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
             record = records.get(_task_id(m["Body"]) or "")
             if record is None or record.status.is_terminal:
                 keep.append(m)
-            elif record.attempts >= max_attempts:
+            elif record.attempts >= max_attempts - 1:
+                # A first delivery's start is not recorded (sluice.lifecycle), so
+                # max_attempts - 1 recorded starts mean max_attempts runs.
                 keep.append(m)
                 try:
                     store.apply(Change(record.task_id, {

@@ -1,24 +1,32 @@
 """A batch's task lifecycle, one rule set for the EKS worker
 (sluice.worker.runner) and the SageMaker dispatcher Lambda.
 
-Claiming: each task moves to `running` by a conditional update (from
-`queued|running`; a redelivery counts a new attempt), or to `expired` past its
-deadline. The update is the check, so no read comes first: a rejected claim
-means the task is missing (its submit was rolled back), already final (a
-duplicate, a cancel), or contended; only those few are read back.
+A task stays `queued` until its outcome is written, and the outcome is its one
+table write on the happy path: each write is a conditional UpdateItem, which
+no emulator or DynamoDB batch API can group, so writes per task set the
+ceiling (docs/benchmarks.md).
 
-Outcomes: a success is written only from `running` (so a finished result is never
-overwritten), inline when small and through S3 when large. A failure keeps the
-task `running` with its last error while attempts remain, and marks it `failed`
-once the message's receive count reaches max_attempts; that message's next
-receive then moves it to the dead-letter queue.
+Claiming: past its deadline a task becomes `expired`. A first delivery is
+checked with one BatchGetItem for the whole batch: a missing record (its submit
+was rolled back) or a final one (a duplicate, a cancel) is acknowledged without
+running. A redelivery means an earlier attempt ended without an outcome (a
+worker died, a reply was lost), so its start is recorded: a conditional update
+(`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
+task that keeps killing its worker from one that was only handed back.
+
+Outcomes: written only while the task is `queued`, so a finished result is
+never overwritten and a cancel that lands during inference wins (the result is
+dropped). Results go inline when small and through S3 when large. A failure
+keeps the task `queued` with its last error while attempts remain, and marks it
+`failed` once the message's receive count reaches max_attempts; that message's
+next receive then moves it to the dead-letter queue.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import Change, TaskStore
@@ -26,7 +34,7 @@ from sluice.contract import TaskMessage, TaskStatus
 from sluice.settings import Settings
 
 _ERROR_CHARS = 1000
-_ACTIVE = (TaskStatus.queued, TaskStatus.running)
+_QUEUED = (TaskStatus.queued,)
 
 
 @dataclass
@@ -36,6 +44,7 @@ class Job:
     message: TaskMessage
     deliveries: list[Any]
     inputs: list[str] = field(default_factory=list)
+    started_at: int | None = None
 
     @property
     def attempts(self) -> int:
@@ -57,35 +66,33 @@ class Claim:
     runnable: list[Job] = field(default_factory=list)
     expired: list[Job] = field(default_factory=list)  # past the deadline: acknowledge
     gone: list[Job] = field(default_factory=list)  # missing or already final: acknowledge
-    contended: list[Job] = field(default_factory=list)  # another change won: leave for redelivery
 
 
-def claim(store: TaskStore, jobs: list[Job], now: int, version_of: Callable[[str], str | None]) -> Claim:
+def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     result = Claim()
-    changes: list[Change] = []
+    expiries: list[Change] = []
+    redelivered: list[Job] = []
+    first: list[Job] = []
     for job in jobs:
-        task_id = job.message.task_id
+        job.started_at = now
         if job.message.deadline_at is not None and job.message.deadline_at <= now:
-            changes.append(Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _ACTIVE))
+            expiries.append(Change(job.message.task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _QUEUED))
             result.expired.append(job)
-            continue
-        changes.append(
-            Change(
-                task_id,
-                {"status": TaskStatus.running.value, "model_version": version_of(job.message.model)},
-                _ACTIVE,
-                set_if_missing={"started_at": now},
-                add_attempt=True,
-            )
-        )
-        result.runnable.append(job)
+        elif job.attempts > 1:
+            redelivered.append(job)
+        else:
+            first.append(job)
+    # Rejected expiries are already final or missing: acknowledged all the same.
+    changes = expiries + [
+        Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True) for j in redelivered
+    ]
     rejected = store.apply_many(changes) if changes else set()
-    if rejected:
-        current = store.get_many(rejected)
-        for job in [j for j in result.runnable if j.message.task_id in rejected]:
-            result.runnable.remove(job)
-            record = current.get(job.message.task_id)
-            (result.gone if record is None or record.status.is_terminal else result.contended).append(job)
+    records = store.get_many(j.message.task_id for j in first) if first else {}
+    for job in redelivered:
+        (result.gone if job.message.task_id in rejected else result.runnable).append(job)
+    for job in first:
+        record = records.get(job.message.task_id)
+        (result.gone if record is None or record.status.is_terminal else result.runnable).append(job)
     return result
 
 
@@ -102,12 +109,16 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
     plan = OutcomePlan()
     for o in outcomes:
         task_id = o.job.message.task_id
+        started: dict[str, Any] = {"started_at": o.job.started_at or now, "attempts": o.job.attempts}
+        if o.model_version:
+            started["model_version"] = o.model_version
         if o.error is None:
             values: dict[str, Any] = {
                 "status": TaskStatus.succeeded.value,
                 "finished_at": now,
                 "inference_ms": o.inference_ms,
                 "batch_size": o.batch_size,
+                **started,
             }
             body = json.dumps(o.result, separators=(",", ":"))
             if len(body) > settings.inline_result_max_bytes:
@@ -116,14 +127,14 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
                 values["result_key"] = key
             else:
                 values["result_json"] = body
-            plan.changes.append(Change(task_id, values, (TaskStatus.running,), remove=("error_code", "error_message")))
+            plan.changes.append(Change(task_id, values, _QUEUED, remove=("error_code", "error_message")))
             plan.succeeded.append(o)
             continue
-        values = {"error_code": "model_error", "error_message": o.error[:_ERROR_CHARS]}
+        values = {"error_code": "model_error", "error_message": o.error[:_ERROR_CHARS], **started}
         if o.job.attempts >= settings.max_attempts:
             values.update(status=TaskStatus.failed.value, finished_at=now)
             plan.failed.append(o)
         else:
             plan.retry.append(o)
-        plan.changes.append(Change(task_id, values, (TaskStatus.running,)))
+        plan.changes.append(Change(task_id, values, _QUEUED))
     return plan

@@ -1,7 +1,7 @@
 """One SQS batch -> claims in the task table -> SageMaker endpoint -> outcomes.
 
-The same task lifecycle as the EKS worker (sluice.worker.runner): claim with a
-conditional write, run, record the outcome with a conditional write, and let
+The same task lifecycle as the EKS worker (sluice.lifecycle): check the batch's
+records, run, record each outcome with a conditional write, and let
 SQS redeliver what failed until maxReceiveCount moves it to the DLQ. The only
 differences: Lambda deletes the messages it is told succeeded, and the model
 runs behind an endpoint.
@@ -105,17 +105,8 @@ class Dispatcher:
         if not jobs:
             return []
         # Expired and gone (rolled back, duplicate, cancelled) tasks are simply
-        # acknowledged; a contended claim is tried again by redelivery.
-        claimed = claim(self.store, list(jobs.values()), now_ms(), self._version)
-        for job in claimed.contended:
-            self._retry(retry, job, "claim lost to a concurrent update")
-        return claimed.runnable
-
-    def _version(self, model: str) -> str | None:
-        from models.registry import get_spec  # torch-free catalogue
-
-        spec = get_spec(model)
-        return spec.version if spec else None
+        # acknowledged.
+        return claim(self.store, list(jobs.values()), now_ms()).runnable
 
     def _load_inputs(self, jobs: list[Job], retry: dict[str, str]) -> list[Job]:
         def load(job: Job) -> bool:

@@ -56,12 +56,12 @@ def from_item(item: dict[str, Any]) -> TaskRecord:
 
 @dataclass
 class Change:
-    """One conditional update, as a TransactWriteItems entry."""
+    """One conditional update: set values, optionally count an attempt, only
+    from the given statuses."""
 
     task_id: str
     set_values: dict[str, Any]
     allowed_from: tuple[TaskStatus, ...]
-    set_if_missing: dict[str, Any] = field(default_factory=dict)
     add_attempt: bool = False
     remove: tuple[str, ...] = ()
     extra_condition: str | None = None
@@ -75,10 +75,6 @@ class Change:
             names[f"#a{i}"] = attr
             values[f":v{i}"] = _ser.serialize(value)
             sets.append(f"#a{i} = :v{i}")
-        for i, (attr, value) in enumerate(self.set_if_missing.items()):
-            names[f"#m{i}"] = attr
-            values[f":m{i}"] = _ser.serialize(value)
-            sets.append(f"#m{i} = if_not_exists(#m{i}, :m{i})")
         expr = "SET " + ", ".join(sets)
         if self.add_attempt:
             expr += " ADD attempts :one"

@@ -259,13 +259,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             Query(ge=0, le=20, description="Long poll: wait up to this many seconds for the task to be final."),
         ] = 0,
     ) -> TaskView:
-        view = await run_in_threadpool(service.get, tenant_id, task_id)
+        if wait_s:
+            # The first look joins the waiter's shared read round instead of a GetItem of its own.
+            # (A task it did not find is looked up once more, and answers 404.)
+            seen = await waiter.read(task_id)
+            view = await run_in_threadpool(service.get, tenant_id, task_id, seen)
+        else:
+            view = await run_in_threadpool(service.get, tenant_id, task_id)
         if wait_s and not view.status.is_terminal:
             record = await waiter.wait(task_id, wait_s)
             if record is not None:
                 final = record.status.is_terminal
                 view = await run_in_threadpool(service.view, record) if final else \
-                    await run_in_threadpool(service.get, tenant_id, task_id)  # overdue: GET expires it
+                    await run_in_threadpool(service.get, tenant_id, task_id, record)  # overdue: expires it
         return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])

@@ -30,6 +30,7 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, SendFailed
 from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected
 from sluice.api.errors import ApiError, not_found, unavailable
+from sluice.api.group_commit import GroupCommit
 from sluice.contract import (
     BatchAccepted,
     BatchSubmitRequest,
@@ -130,6 +131,7 @@ class TaskService:
         self.payloads = PayloadStore(settings)
         self.queues = PriorityQueues(settings)
         self.compensator = Compensator(self.store)
+        self.group_commit = GroupCommit(self._write_fresh)
         self._backlog_seen: dict[Priority, tuple[float, int, int]] = {}  # read at, depth, sent since
         self._backlog_lock = threading.Lock()
         served = set(settings.model_names())
@@ -222,7 +224,17 @@ class TaskService:
     def submit(self, tenant_id: str, request: SubmitRequest, idempotency_key: str | None) -> TaskAccepted:
         self._check_model(request)
         depth = self._check_backlog(request.priority)
-        task_id = idempotent_task_id(tenant_id, idempotency_key) if idempotency_key else new_task_id()
+        if not idempotency_key:
+            # A fresh id cannot collide, so the record needs no condition and
+            # can share a write with other submits (sluice.api.group_commit).
+            record, message = self._build(tenant_id, request, new_task_id())
+            try:
+                self._claim_check(message)
+            except (BotoCoreError, ClientError):
+                raise unavailable("the payload store") from None
+            self.group_commit.submit((record, message))
+            return self._accepted(record, depth)
+        task_id = idempotent_task_id(tenant_id, idempotency_key)
         record, message = self._build(tenant_id, request, task_id)
         token = secrets.token_hex(8)
         # Twice at most: a retry may find the record of a first try that its
@@ -245,6 +257,35 @@ class TaskService:
             self._send(message, token)
             return self._accepted(record, depth)
         raise unavailable("the task store")
+
+    def _write_fresh(self, group: list[tuple[TaskRecord, TaskMessage]]) -> dict[int, ApiError]:
+        """Records, then messages, for tasks with fresh ids: one BatchWriteItem
+        per 25 and one SendMessageBatch per 10 per queue. Returns {index: error}
+        for the tasks not queued; their records are rolled back."""
+        records = [r for r, _ in group]
+        messages = [m for _, m in group]
+        token = secrets.token_hex(8)
+        try:
+            self.store.create_many(records, token)
+        except (BotoCoreError, ClientError, RuntimeError):
+            self.compensator.undo([r.task_id for r in records], token)
+            return {i: unavailable("the task store") for i in range(len(group))}
+        try:
+            self.queues.send_many(messages)
+        except (BotoCoreError, ClientError):
+            # Cut off mid-way: which chunks went out is unknown. Every record is
+            # rolled back; a message whose record is gone is dropped by the worker.
+            self.compensator.undo([r.task_id for r in records], token)
+            return {i: unavailable("the queue") for i in range(len(group))}
+        except SendFailed as failed:
+            self.compensator.undo(failed.failed_ids, token)
+            lost = set(failed.failed_ids)
+        else:
+            lost = set()
+        for m in messages:
+            if m.task_id not in lost:
+                self._sent(m.priority, 1)
+        return {i: unavailable("the queue") for i, m in enumerate(messages) if m.task_id in lost}
 
     def _send(self, message: TaskMessage, token: str) -> None:
         try:
@@ -295,39 +336,23 @@ class TaskService:
                 ]
             )
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
-        records = [r for r, _ in built]
-        messages = [m for _, m in built]
-        token = secrets.token_hex(8)
         try:
-            for m in messages:
+            for _, m in built:
                 self._claim_check(m)
-            self.store.create_many(records, token)
-        except (BotoCoreError, ClientError, RuntimeError):
-            self.compensator.undo([r.task_id for r in records], token)
-            raise unavailable("the task store") from None
-        try:
-            self.queues.send_many(messages)
         except (BotoCoreError, ClientError):
-            # Cut off mid-way: which chunks went out is unknown. Every record is
-            # rolled back; a message whose record is gone is dropped by the worker.
-            self.compensator.undo([r.task_id for r in records], token)
-            raise unavailable("the queue") from None
-        except SendFailed as failed:
-            self.compensator.undo(failed.failed_ids, token)
-            for m in messages:
-                if m.task_id not in failed.failed_ids:
-                    self._sent(m.priority, 1)
-            sent = len(messages) - len(failed.failed_ids)
+            raise unavailable("the payload store") from None
+        errors = self._write_fresh(built)
+        if len(errors) == len(built):
+            raise next(iter(errors.values()))
+        if errors:
             raise ApiError(
                 503,
                 "dependency_unavailable",
-                f"{len(failed.failed_ids)} of {len(messages)} tasks could not be queued and were not recorded; "
-                f"{sent} were queued. Send an Idempotency-Key to make retries safe.",
+                f"{len(errors)} of {len(built)} tasks could not be queued and were not recorded; "
+                f"{len(built) - len(errors)} were queued. Send an Idempotency-Key to make retries safe.",
                 headers={"Retry-After": "5"},
-            ) from None
-        for m in messages:
-            self._sent(m.priority, 1)
-        return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r in records])
+            )
+        return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r, _ in built])
 
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
         ahead = depth
@@ -350,14 +375,13 @@ class TaskService:
             return 0
 
     # ---------------------------------------------------------- get/cancel
-    def _owned(self, tenant_id: str, task_id: str) -> TaskRecord:
-        record = self.store.get(task_id)
+    def _owned(self, tenant_id: str, task_id: str, record: TaskRecord | None) -> TaskRecord:
         # Another tenant's task answers exactly like a missing one.
         if record is None or record.tenant_id != tenant_id:
             raise not_found(task_id)
         if record.status == TaskStatus.queued and record.deadline_at is not None and record.deadline_at <= now_ms():
-            # Past its deadline and not yet picked up: it will never run, so it
-            # says so now rather than when a worker gets to its message.
+            # Past its deadline without an outcome: a result now is no longer
+            # wanted, so it says so at once rather than when a worker gets to it.
             try:
                 record = self.store.apply(
                     Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now_ms()}, (TaskStatus.queued,))
@@ -366,8 +390,9 @@ class TaskService:
                 record = rejected.current or record
         return record
 
-    def get(self, tenant_id: str, task_id: str) -> TaskView:
-        return self.view(self._owned(tenant_id, task_id))
+    def get(self, tenant_id: str, task_id: str, record: TaskRecord | None = None) -> TaskView:
+        """The task's view; `record` when the caller has just read it (the long poll's shared round)."""
+        return self.view(self._owned(tenant_id, task_id, record or self.store.get(task_id)))
 
     def view(self, record: TaskRecord) -> TaskView:
         result = json.loads(record.result_json) if record.result_json else None
@@ -375,7 +400,7 @@ class TaskService:
         return record.to_view(result=result, result_url=url)
 
     def cancel(self, tenant_id: str, task_id: str) -> TaskView:
-        record = self._owned(tenant_id, task_id)
+        record = self._owned(tenant_id, task_id, self.store.get(task_id))
         if record.status == TaskStatus.cancelled:
             return record.to_view()
         try:
@@ -384,5 +409,5 @@ class TaskService:
             )
         except TransitionRejected as rejected:
             status = rejected.current.status.value if rejected.current else "gone"
-            raise ApiError(409, "not_cancellable", f"task {task_id} is {status}; only queued tasks can be cancelled")
+            raise ApiError(409, "not_cancellable", f"task {task_id} is {status}; a task can be cancelled only until its outcome is recorded")
         return updated.to_view()

@@ -3,9 +3,9 @@
 A batch passes three stages, each on its own thread, so that the table and
 queue calls of one batch overlap the model's forward pass of the next:
 
-    prepare (conditional updates marking tasks running, S3 claim checks)
+    prepare (one BatchGetItem checking the batch's tasks, inputs from S3)
       -> infer (the model, on the main thread)
-      -> finish (S3 for large results, one transaction for outcomes, DeleteMessageBatch)
+      -> finish (S3 for large results, a conditional update per outcome, DeleteMessageBatch)
 """
 
 from __future__ import annotations
@@ -64,16 +64,11 @@ class BatchRunner:
             else:
                 jobs[message.task_id] = Job(message, [received])
 
-        claimed = claim(self.store, list(jobs.values()), now_ms(), self._version)
+        claimed = claim(self.store, list(jobs.values()), now_ms())
         runnable = claimed.runnable
-        # Contended tasks keep their messages: they come back after the visibility timeout.
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         self._load_inputs(runnable)
         return Prepared(runnable, ack)
-
-    def _version(self, model_name: str) -> str | None:
-        model = self.models.get(model_name)
-        return getattr(model, "version", None)
 
     def _load_inputs(self, jobs: list[Job]) -> None:
         def load(job: Job) -> None:
@@ -138,8 +133,9 @@ class BatchRunner:
         plan = plan_outcomes(outcomes, now, self.settings)
         list(self.io.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
         if plan.changes:
-            # A rejected outcome means another delivery already finished the
-            # task: its result stands and this message is simply acknowledged.
+            # A rejected outcome means the task is final already (another
+            # delivery finished it, or it was cancelled): that stands, and this
+            # message is simply acknowledged.
             self.store.apply_many(plan.changes)
         done = list(prepared.ack) + [d for o in plan.succeeded for d in o.job.deliveries]
         if done:

@@ -33,7 +33,7 @@ class Client:
             for task_id in list(pending):
                 status, view = self.call("GET", f"/v1/tasks/{task_id}")
                 assert status == 200, view
-                if view["status"] not in ("queued", "running"):
+                if view["status"] != "queued":
                     done[task_id] = view
                     pending.discard(task_id)
             if pending:

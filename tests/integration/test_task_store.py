@@ -5,7 +5,7 @@ import pytest
 from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected
 from sluice.contract import Priority, TaskRecord, TaskStatus, new_task_id, now_ms
 
-ACTIVE = (TaskStatus.queued, TaskStatus.running)
+QUEUED = (TaskStatus.queued,)
 
 
 def record(**overrides) -> TaskRecord:
@@ -32,15 +32,15 @@ def test_create_is_once_only(store):
 def test_a_finished_task_never_moves_back(store):
     r = record()
     store.create(r)
-    store.apply(Change(r.task_id, {"status": "running"}, ACTIVE, add_attempt=True))
-    store.apply(Change(r.task_id, {"status": "succeeded", "result_json": "[1]"}, (TaskStatus.running,)))
+    store.apply(Change(r.task_id, {"started_at": 5}, QUEUED, add_attempt=True))
+    store.apply(Change(r.task_id, {"status": "succeeded", "result_json": "[1]"}, QUEUED))
     with pytest.raises(TransitionRejected) as info:
-        store.apply(Change(r.task_id, {"status": "running"}, ACTIVE, add_attempt=True))
+        store.apply(Change(r.task_id, {"started_at": 6}, QUEUED, add_attempt=True))
     assert info.value.current.status is TaskStatus.succeeded
     with pytest.raises(TransitionRejected):
-        store.apply(Change(r.task_id, {"status": "succeeded", "result_json": "[2]"}, (TaskStatus.running,)))
+        store.apply(Change(r.task_id, {"status": "succeeded", "result_json": "[2]"}, QUEUED))
     final = store.get(r.task_id)
-    assert final.result_json == "[1]" and final.attempts == 1
+    assert final.result_json == "[1]" and final.attempts == 1 and final.started_at == 5
 
 
 def test_apply_many_applies_what_it_can_and_names_the_rest(store):
@@ -48,23 +48,12 @@ def test_apply_many_applies_what_it_can_and_names_the_rest(store):
     store.create(queued)
     store.create(cancelled)
     rejected = store.apply_many([
-        Change(t.task_id, {"status": "running"}, ACTIVE, set_if_missing={"started_at": 5}, add_attempt=True)
-        for t in (queued, cancelled)
+        Change(t.task_id, {"started_at": 5}, QUEUED, add_attempt=True) for t in (queued, cancelled)
     ])
     assert rejected == {cancelled.task_id}
     started = store.get(queued.task_id)
-    assert (started.status, started.started_at, started.attempts) == (TaskStatus.running, 5, 1)
+    assert (started.status, started.started_at, started.attempts) == (TaskStatus.queued, 5, 1)
     assert store.get(cancelled.task_id).status is TaskStatus.cancelled
-
-
-def test_started_at_keeps_the_first_start_across_redeliveries(store):
-    r = record()
-    store.create(r)
-    for started in (100, 200):
-        store.apply_many([Change(r.task_id, {"status": "running"}, ACTIVE,
-                                 set_if_missing={"started_at": started}, add_attempt=True)])
-    again = store.get(r.task_id)
-    assert (again.started_at, again.attempts) == (100, 2)
 
 
 def test_get_many_and_compensating_delete(store):
@@ -73,6 +62,6 @@ def test_get_many_and_compensating_delete(store):
     assert set(store.get_many([r.task_id for r in records] + ["missing"])) == {r.task_id for r in records}
     store.delete_if_queued(records[0].task_id)
     assert store.get(records[0].task_id) is None
-    store.apply(Change(records[1].task_id, {"status": "running"}, ACTIVE))
+    store.apply(Change(records[1].task_id, {"status": "cancelled"}, QUEUED))
     store.delete_if_queued(records[1].task_id)  # not queued any more: kept
     assert store.get(records[1].task_id) is not None

@@ -47,7 +47,7 @@ def test_poison_input_fails_alone(api, settings, runner):
     store = TaskStore(settings)
     assert all(store.get(t).status.value == "succeeded" for t in good)
     poisoned = store.get(bad)
-    assert poisoned.status.value == "running" and "!fail" in poisoned.error_message
+    assert poisoned.status.value == "queued" and "!fail" in poisoned.error_message and poisoned.attempts == 1
 
 
 def test_cancelled_and_expired_tasks_never_run(api, settings, runner):
@@ -79,6 +79,33 @@ def test_duplicate_delivery_cannot_overwrite_a_result(api, settings, runner):
     run_once(runner, [first])  # the same message delivered again after it finished
     after = TaskStore(settings).get(task_id)
     assert before.result_json == after.result_json and after.attempts == 1 and after.finished_at == before.finished_at
+
+
+def test_a_cancel_during_inference_wins_and_the_result_is_dropped(api, settings, runner):
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["too late"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    prepared = runner.prepare(receive_all(settings, 1))
+    assert [j.message.task_id for j in prepared.jobs] == [task_id]
+    outcomes = runner.infer(prepared.jobs)
+    cancel = api.delete(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a})
+    assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
+    runner.finish(prepared, outcomes)
+    record = TaskStore(settings).get(task_id)
+    assert record.status.value == "cancelled" and record.result_json is None
+    assert receive_all(settings, 1) == []  # acknowledged, not retried
+
+
+def test_a_redelivery_records_its_start_before_running(api, settings, runner):
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["again"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    [message] = receive_all(settings, 1)
+    message.receive_count = 2  # an earlier delivery ended without an outcome
+    prepared = runner.prepare([message])
+    started = TaskStore(settings).get(task_id)
+    assert (started.status.value, started.attempts) == ("queued", 1) and started.started_at
+    runner.finish(prepared, runner.infer(prepared.jobs))
+    final = TaskStore(settings).get(task_id)
+    assert (final.status.value, final.attempts) == ("succeeded", 2)
 
 
 def test_large_inputs_and_results_travel_through_s3(api, settings, runner):

@@ -159,7 +159,7 @@ def api(stack):
 def wait_task(stack, api, task_id: str) -> dict:
     def final():
         view = api.get(f"/v1/tasks/{task_id}").json()
-        return view if view["status"] not in ("queued", "running") else None
+        return view if view["status"] != "queued" else None
 
     return wait_for(final, TASK_TIMEOUT_S, f"task {task_id} to finish", stack.worker)
 

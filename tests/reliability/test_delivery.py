@@ -89,7 +89,7 @@ def test_a_worker_killed_mid_batch_loses_nothing(env):
     assert victim.wait(10) == -signal.SIGKILL
     at_kill = env.inspector.statuses(ids)
     print(f"scenario=worker_sigkill_mid_batch at_kill={at_kill}")
-    assert at_kill.get("queued", 0) + at_kill.get("running", 0) > 0, "the kill came after all the work"
+    assert at_kill.get("queued", 0) > 0, "the kill came after all the work"
     records = ledger.settle(90)
     redelivered = sum(1 for r in records.values() if r.attempts > 1)
     figures = ledger.report(records)

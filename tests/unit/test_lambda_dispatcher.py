@@ -196,7 +196,7 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     store = TaskStore(settings)
     assert all(store.get(t).status == TaskStatus.succeeded for t in good)
     poisoned = store.get(bad[0])
-    assert poisoned.status == TaskStatus.running and poisoned.error_code == "model_error"
+    assert poisoned.status == TaskStatus.queued and poisoned.error_code == "model_error"
     assert "!fail" in poisoned.error_message
 
     # Its third delivery: the record becomes failed, and the message is still
@@ -209,7 +209,7 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     last = sqs_event(settings, 1, receive_count=3)
     assert failed_ids(dispatch(last)) == message_ids(last, bad)
     final = store.get(bad[0])
-    assert final.status == TaskStatus.failed and final.attempts == 2 and final.finished_at
+    assert final.status == TaskStatus.failed and final.attempts == 3 and final.finished_at
 
 
 def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
@@ -259,7 +259,7 @@ def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, setti
     store = TaskStore(settings)
     for task_id in ids:
         record = store.get(task_id)
-        assert record.status == TaskStatus.running and record.attempts == 1
+        assert record.status == TaskStatus.queued and record.attempts == 1
         assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
 
 
@@ -278,7 +278,7 @@ def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, s
     assert failed_ids(response) == message_ids(event, bad)
     store = TaskStore(settings)
     assert all(store.get(t).status == TaskStatus.succeeded for t in ids)
-    assert store.get(bad[0]).status == TaskStatus.running and "!fail" in store.get(bad[0]).error_message
+    assert store.get(bad[0]).status == TaskStatus.queued and "!fail" in store.get(bad[0]).error_message
 
 
 def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_attempt(dispatch, settings, monkeypatch):
@@ -299,7 +299,7 @@ def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_at
     for i in (0, 2):
         assert json.loads(store.get(ids[i]).result_json)["outputs"][0]["length"] == len(f"v{i}")
     missing = store.get(ids[1])
-    assert missing.status == TaskStatus.running and "no answer for this task" in missing.error_message
+    assert missing.status == TaskStatus.queued and "no answer for this task" in missing.error_message
 
 
 def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monkeypatch):
