@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +29,21 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def stages(seen: list[tuple[dict, float]]) -> dict[str, float]:
+    """Where a request's latency goes, from its task's timings: created ->
+    started (queues, batching), started -> finished (model and outcome write),
+    finished -> the client has it (the long poll noticing, the response)."""
+    def p50(values):
+        return round(statistics.median(values), 1) if values else None
+
+    return {
+        "queued": p50([t["started_at"] - t["created_at"] for t, _ in seen]),
+        "inference": p50([t["inference_ms"] for t, _ in seen]),
+        "started_to_finished": p50([t["finished_at"] - t["started_at"] for t, _ in seen]),
+        "finished_to_client": p50([at - t["finished_at"] for t, at in seen]),
+    }
 
 
 def main() -> None:
@@ -50,10 +66,13 @@ def main() -> None:
                 status, view = client.call("GET", f"/v1/tasks/{body['task_id']}?wait_s={LONG_POLL_S}")
                 if view["status"] != "queued":
                     assert view["status"] == "succeeded", view
+                    seen.append((view["timings"], time.time() * 1000))
                     return
 
+        seen: list[tuple[dict, float]] = []
         make = lambda: Http(s.url, {"x-api-key": key})  # noqa: E731
         closed_loop(64, 8, make, one, 120)
+        seen.clear()
         pids = {name: proc.pid for name, proc in s.procs.items()}
         pids["load generator"] = os.getpid()
         before = {n: cpu_s(pid) for n, pid in pids.items()}
@@ -78,7 +97,8 @@ def main() -> None:
     out = {"requests": a.requests, "sqs": a.sqs, "workers": a.workers, "threads": a.threads,
            "wall_s": round(wall, 1), **r.summary(), "cpu_ms_per_task": per_task,
            "cpu_ms_per_task_total": round(sum(per_task.values()), 1),
-           "machine_cpu_ms_per_task_available": round(wall * (os.cpu_count() or 2) * 1000 / done, 1)}
+           "machine_cpu_ms_per_task_available": round(wall * (os.cpu_count() or 2) * 1000 / done, 1),
+           "stage_p50_ms": stages(seen)}
     save("profile", out)
     log(json.dumps(out, indent=1))
 
