@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("SLUICE_BENCH_RESULTS", ROOT / "bench" / "results"))
 sys.path.insert(0, str(ROOT))
 
-from onprem.embedded import Stack, free_port  # noqa: E402
+from onprem.embedded import Stack, default_ddb, free_port  # noqa: E402
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -85,12 +85,15 @@ def log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, str] | None = None):
-    """The embedded profile (moto for DynamoDB/S3; moto or LocalStack for SQS).
-    Yields the Stack with AWS_* of this process pointed at its emulators."""
+def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, str] | None = None,
+          ddb: str | None = None):
+    """The embedded profile (S3 on moto; SQS on moto or LocalStack; DynamoDB on
+    what `make run` uses unless `ddb` says). Yields the Stack with AWS_* of this
+    process pointed at its emulators."""
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     overrides = {"SLUICE_ACCESS_LOG": "0", "SLUICE_LOG_LEVEL": "WARNING", **(env or {})}
-    s = Stack(api_port=free_port(), workers=workers, sqs=sqs, log_dir=logs, env_overrides=overrides)
+    s = Stack(api_port=free_port(), workers=workers, sqs=sqs, ddb=ddb or default_ddb(), log_dir=logs,
+              env_overrides=overrides)
     saved = dict(os.environ)
     try:
         s.start_emulator()

@@ -1,7 +1,9 @@
 """The embedded profile: the whole service on one machine, no Docker.
 
-Starts moto server (the AWS emulator) on 127.0.0.1 (optionally LocalStack core
-for SQS alone, SLUICE_EMBEDDED_SQS=localstack), creates queues, tables and
+Starts moto server (the AWS emulator) on 127.0.0.1, optionally with LocalStack
+core for SQS (SLUICE_EMBEDDED_SQS=localstack) and dynalite for DynamoDB
+(SLUICE_EMBEDDED_DDB=dynalite); `make run` uses both when `make install` built
+them (docs/benchmarks.md has the figures behind each). Creates queues, tables and
 the bucket, registers a demo API key, then runs the API and the workers with
 the same entrypoints the container images use (containers/*/main.py), as
 processes. Ctrl-C or SIGTERM stops workers first (they finish their batch),
@@ -51,7 +53,7 @@ def wait_http(url: str, timeout_s: float, ok=(200,), alive: subprocess.Popen | N
     raise TimeoutError(f"{url} did not answer within {timeout_s}s ({last})")
 
 
-def emulator_env(port: int, sqs_url: str | None = None) -> dict[str, str]:
+def emulator_env(port: int, sqs_url: str | None = None, ddb_url: str | None = None) -> dict[str, str]:
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "embedded",
@@ -61,11 +63,26 @@ def emulator_env(port: int, sqs_url: str | None = None) -> dict[str, str]:
     }
     if sqs_url:
         env["AWS_ENDPOINT_URL_SQS"] = sqs_url
+    if ddb_url:
+        env["AWS_ENDPOINT_URL_DYNAMODB"] = ddb_url
     return env
 
 
 LOCALSTACK_PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
 LOCALSTACK_CATALOG = ROOT / ".venv-localstack" / "filesystem" / "usr" / "lib" / "localstack"
+DYNALITE = ROOT / "onprem" / "dynalite" / "node_modules" / ".bin" / "dynalite"
+
+
+def default_sqs() -> str:
+    """What `make run` uses: LocalStack when make install built it. moto's SQS
+    slows as a queue grows and halved end-to-end throughput (docs/benchmarks.md)."""
+    return os.environ.get("SLUICE_EMBEDDED_SQS") or ("localstack" if LOCALSTACK_PYTHON.exists() else "moto")
+
+
+def default_ddb() -> str:
+    """What `make run` uses: dynalite when make install built it (it needs npm).
+    moto's DynamoDB costs 4-17x more CPU per call (docs/benchmarks.md)."""
+    return os.environ.get("SLUICE_EMBEDDED_DDB") or ("dynalite" if DYNALITE.exists() else "moto")
 
 
 def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
@@ -112,6 +129,9 @@ class Stack:
     # flat (docs/benchmarks.md); DynamoDB and S3 stay on moto either way.
     sqs: str = field(default_factory=lambda: os.environ.get("SLUICE_EMBEDDED_SQS", "moto"))
     sqs_port: int = 0
+    # "moto" or "dynalite" for DynamoDB; S3 stays on moto.
+    ddb: str = field(default_factory=lambda: os.environ.get("SLUICE_EMBEDDED_DDB", "moto"))
+    ddb_port: int = 0
     env_overrides: dict[str, str] = field(default_factory=dict)
     log_dir: Path = STATE_DIR / "logs"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -122,7 +142,7 @@ class Stack:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
-        env.update(emulator_env(self.emulator_port, self.sqs_url))
+        env.update(emulator_env(self.emulator_port, self.sqs_url, self.ddb_url))
         env.setdefault("SLUICE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.workers))))
         env["PYTHONUNBUFFERED"] = "1"
         env["SLUICE_PORT"] = str(self.api_port)
@@ -132,6 +152,10 @@ class Stack:
     @property
     def sqs_url(self) -> str | None:
         return f"http://127.0.0.1:{self.sqs_port}" if self.sqs == "localstack" and self.sqs_port else None
+
+    @property
+    def ddb_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.ddb_port}" if self.ddb == "dynalite" and self.ddb_port else None
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -151,9 +175,18 @@ class Stack:
             command = [sys.executable, "-m", "onprem.moto_server"]
         proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)])
         sqs = self.start_localstack() if self.sqs == "localstack" else None
+        ddb = self.start_dynalite() if self.ddb == "dynalite" else None
         wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
         if sqs is not None:
             wait_http(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
+        if ddb is not None:
+            wait_http(f"{self.ddb_url}/", 30, alive=ddb)  # "healthy: dynamodb..." once it listens
+
+    def start_dynalite(self) -> subprocess.Popen:
+        self.ddb_port = self.ddb_port or free_port()
+        # In memory; tables are ACTIVE at once instead of after 500 ms.
+        return self._spawn("ddb", [str(DYNALITE), "--host", "127.0.0.1", "--port", str(self.ddb_port),
+                                   "--createTableMs", "0"])
 
     def start_localstack(self) -> subprocess.Popen:
         self.sqs_port = self.sqs_port or free_port()
@@ -221,10 +254,11 @@ class Stack:
         self.stop_process("api")
         self.stop_process("emulator", timeout_s=10)
         self.stop_process("sqs", timeout_s=15)
+        self.stop_process("ddb", timeout_s=10)
 
     def write_state(self, api_key: str) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port, self.sqs_url), "pid": os.getpid()}
+        state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port, self.sqs_url, self.ddb_url), "pid": os.getpid()}
         STATE_FILE.write_text(json.dumps(state, indent=2))
         STATE_FILE.chmod(0o600)
 
@@ -233,7 +267,7 @@ def print_banner(stack: Stack, key: str) -> None:
     url = stack.url
     print(
         f"""
-Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f" (SQS: LocalStack on {stack.sqs_url})" if stack.sqs_url else ""}
+Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: LocalStack on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
 API docs: {url}/docs      logs: {stack.log_dir}/
 Demo API key (tenant "demo"): {key}
 
@@ -256,13 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_WORKERS", "2")))
     args = parser.parse_args(argv)
 
-    # `make run` puts SQS on LocalStack (make install builds its venv): moto's SQS
-    # slows with queue depth and halved end-to-end throughput (docs/benchmarks.md).
-    sqs = os.environ.get("SLUICE_EMBEDDED_SQS") or ("localstack" if LOCALSTACK_PYTHON.exists() else "moto")
     # Per-key rate limit on by default here (on AWS, usage plans do it);
     # SLUICE_RATE_LIMIT_PER_S=0 turns it off (docs/reliability.md).
     rate_limit = {"SLUICE_RATE_LIMIT_PER_S": os.environ.get("SLUICE_RATE_LIMIT_PER_S", "100")}
-    stack = Stack(api_port=args.port, workers=args.workers, sqs=sqs, env_overrides=rate_limit)
+    stack = Stack(api_port=args.port, workers=args.workers, sqs=default_sqs(), ddb=default_ddb(),
+                  env_overrides=rate_limit)
     stopping = False
 
     def on_signal(*_):

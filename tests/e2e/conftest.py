@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from onprem.embedded import Stack, free_port
+from onprem.embedded import Stack, default_ddb, default_sqs, free_port
 
 
 class Client:
@@ -45,8 +45,8 @@ class Client:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """The embedded profile, started as `make run` starts it: real processes, real model."""
-    s = Stack(api_port=free_port(), workers=2, log_dir=tmp_path_factory.mktemp("logs"),
-              env_overrides={"SLUICE_ACCESS_LOG": "0"})
+    s = Stack(api_port=free_port(), workers=2, sqs=default_sqs(), ddb=default_ddb(),
+              log_dir=tmp_path_factory.mktemp("logs"), env_overrides={"SLUICE_ACCESS_LOG": "0"})
     try:
         s.start()
         yield s
