@@ -41,13 +41,14 @@ def visible(settings) -> int:
 
 
 def test_a_record_write_whose_reply_is_lost_is_undone(service, settings):
-    real_create = service.store.create
+    # A submit without an Idempotency-Key writes through the group commit.
+    real_create = service.store.create_many
 
-    def lands_then_cut(record, token=None):
-        real_create(record, token)
+    def lands_then_cut(records, token=None):
+        real_create(records, token)
         cut()
 
-    service.store.create = lands_then_cut
+    service.store.create_many = lands_then_cut
     with pytest.raises(ApiError) as refused:
         service.submit("t", REQUEST, None)
     assert refused.value.status == 503 and refused.value.headers["Retry-After"]
@@ -65,7 +66,7 @@ def test_when_the_table_is_down_too_the_rollback_lands_when_it_returns(service, 
         real_delete(task_id, token)
 
     service.store.delete_if_queued = delete
-    service.queues.send = cut
+    service.queues.send_many = cut
     with pytest.raises(ApiError):
         service.submit("t", REQUEST, None)
     assert len(only_record(service)) == 1 and service.compensator.pending() == 1  # half-written, for now
