@@ -12,7 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import lat_summary, log, reset_clients, save, settings, stack
-from onprem.embedded import LOCALSTACK_PYTHON
+from onprem.embedded import DYNALITE, LOCALSTACK_PYTHON
 
 
 def _measure(fn, n: int, threads: int) -> dict:
@@ -79,7 +79,7 @@ def run_ddb(n: int) -> dict:
     upd = lambda i: ddb.update_item(  # noqa: E731
         TableName=table, Key={"task_id": {"S": ids[i]}}, UpdateExpression="SET #s = :r ADD attempts :one",
         ConditionExpression="#s IN (:q, :r)", ExpressionAttributeNames={"#s": "status"},
-        ExpressionAttributeValues={":q": {"S": "queued"}, ":r": {"S": "running"}, ":one": {"N": "1"}})
+        ExpressionAttributeValues={":q": {"S": "queued"}, ":r": {"S": "queued"}, ":one": {"N": "1"}})
     out["update_item_conditional"] = _measure(upd, n, 1)
     out["update_item_conditional_16_threads"] = _measure(upd, n, 16)
     out["batch_get_item_32"] = _measure(
@@ -95,9 +95,14 @@ def main(quick: bool = False) -> dict:
     n = 100 if quick else 300
     results = {}
     log("emulators: moto (SQS, DynamoDB)")
-    with stack(workers=0, api=False, sqs="moto"):
+    with stack(workers=0, api=False, sqs="moto", ddb="moto"):
         reset_clients()
         results["moto"] = {"sqs": run_sqs(n), "dynamodb": run_ddb(n)}
+    if DYNALITE.exists():
+        log("emulators: dynalite (DynamoDB)")
+        with stack(workers=0, api=False, sqs="moto", ddb="dynalite"):
+            reset_clients()
+            results["dynalite"] = {"dynamodb": run_ddb(n)}
     if LOCALSTACK_PYTHON.exists():
         log("emulators: LocalStack (SQS)")
         with stack(workers=0, api=False, sqs="localstack"):
