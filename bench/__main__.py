@@ -65,7 +65,7 @@ def plots() -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ax.plot([x["batch"] for x in c], [x["raw_per_s"] for x in c], "o-", label="raw model, plain torch loop")
         ax.plot([x["batch"] for x in c], [x["sluice_tasks_per_s"] for x in c], "s-",
-                label=f"one Sluice worker draining a queue ({d['sqs']} SQS, moto DynamoDB)")
+                label=f"one Sluice worker draining a queue ({d['sqs']} SQS, {d.get('dynamodb', 'moto')} DynamoDB)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max batch size")
         ax.set_ylabel("sentences (tasks)/s")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, Http, closed_loop, log, save, sentence, stack
+from bench.common import default_ddb, ROOT, Http, closed_loop, log, save, sentence, stack
 from bench.worker import raw
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -56,7 +56,7 @@ def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, en
         closed_loop(64, 8, make, one, 120)  # warm-up: every worker has loaded its model
         warm_s = time.monotonic() - t0
         r = closed_loop(requests, clients, make, one, timeout_s=300)
-    return {"system": "Sluice", "config": f"{workers} worker(s) x {threads} torch thread(s), {sqs} SQS + moto "
+    return {"system": "Sluice", "config": f"{workers} worker(s) x {threads} torch thread(s), {sqs} SQS + {default_ddb()} "
             f"DynamoDB, " + (f"poll every {int(poll_s * 1000)} ms" if poll_s else f"long poll (wait_s={LONG_POLL_S})"), "warm_s": round(warm_s, 1), "env": env, **r.summary()}
 
 
@@ -73,7 +73,7 @@ def peer(module: str, requests: int, clients: int) -> dict | None:
 
 def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads: int = 2) -> dict:
     requests, clients = (600, 64) if quick else (2000, 64)
-    results: dict = {"requests": requests, "clients": clients, "sqs": sqs, "dynamodb": "moto", "systems": {}}
+    results: dict = {"requests": requests, "clients": clients, "sqs": sqs, "dynamodb": default_ddb(), "systems": {}}
     log("e2e: raw model (batch 32, 2 threads, bf16 as the worker runs it)")
     results["raw_32"] = raw(32, threads, seconds=6)
     log(f"e2e: Sluice, {requests} requests, {clients} clients")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, log, save, sentence, settings, stack
+from bench.common import default_ddb, ROOT, log, save, sentence, settings, stack
 
 
 def fill(n: int, model: str = "minilm-embed", priority: str = "normal") -> list[str]:
@@ -84,7 +84,7 @@ def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16") -> di
 def main(quick: bool = False, sqs: str = "localstack") -> dict:
     threads = max(1, os.cpu_count() or 2)
     n = 600 if quick else 1500
-    results: dict = {"sqs": sqs, "dynamodb": "moto"}
+    results: dict = {"sqs": sqs, "dynamodb": default_ddb()}
 
     log(f"worker: raw model, batch 32, {threads} threads")
     results["raw_32"] = raw(32, threads)
