@@ -197,14 +197,15 @@ class Dispatcher:
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
         list(self.pool.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
-        if plan.changes:
-            # A rejected change means another delivery already finished the task:
-            # its outcome stands, and this message is simply acknowledged.
-            self.store.apply_many(plan.changes)
+        # A rejected change means the task is final already (another delivery
+        # finished it, or it was cancelled or expired meanwhile): that stands,
+        # and its message is simply acknowledged.
+        rejected = self.store.apply_many(plan.changes) if plan.changes else set()
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
         for o in plan.retry + plan.failed:
-            self._retry(retry, o.job, o.error)
+            if o.job.message.task_id not in rejected:
+                self._retry(retry, o.job, o.error)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
 

@@ -8,7 +8,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
 
 from sluice.aws import client
 from sluice.contract import Priority, TaskMessage
@@ -73,9 +73,13 @@ class PriorityQueues:
         for m in messages:
             by_priority[m.priority].append(m)
         failed: list[str] = []
+        unreachable = False
         for priority, group in by_priority.items():
             for i in range(0, len(group), _SQS_BATCH):
                 chunk = group[i : i + _SQS_BATCH]
+                if unreachable:
+                    failed += [m.task_id for m in chunk]
+                    continue
                 try:
                     response = self.sqs.send_message_batch(
                         QueueUrl=self.url(priority),
@@ -85,8 +89,13 @@ class PriorityQueues:
                         ],
                     )
                     failed += [chunk[int(f["Id"])].task_id for f in response.get("Failed", [])]
-                except ClientError:
+                except (BotoCoreError, ClientError) as exc:
+                    # This chunk is failed (perhaps sent: its records are rolled
+                    # back, and a worker drops a message whose record is gone);
+                    # the other chunks are still tried, unless SQS cannot be
+                    # reached at all.
                     failed += [m.task_id for m in chunk]
+                    unreachable = isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
         if failed:
             raise SendFailed(failed)
 

@@ -53,10 +53,16 @@ class GroupCommit:
         with self._lock:
             group = self._pending[: self._max_group]
             del self._pending[: self._max_group]
+        errors: dict[int, BaseException] = {}
         try:
             errors = self._write([e.item for e in group])
-        except BaseException as exc:  # noqa: BLE001 - each submitter gets the error
-            errors = {i: exc for i in range(len(group))}
+        except Exception as exc:  # each submitter of the group gets the error
+            errors = dict.fromkeys(range(len(group)), exc)
+        except BaseException as exc:
+            # An interrupt is re-raised by this thread alone; the others only
+            # learn that their write did not happen.
+            errors = {i: RuntimeError("the group write was interrupted") for i in range(len(group))}
+            raise exc
         finally:
             with self._lock:
                 if self._pending:
@@ -66,10 +72,10 @@ class GroupCommit:
                     successor.done.set()
                 else:
                     self._writing = False
-        for i, e in enumerate(group):
-            e.error = errors.get(i)
-            e.lead = False
-            e.done.set()
+            for i, e in enumerate(group):
+                e.error = errors.get(i)
+                e.lead = False
+                e.done.set()
 
     @staticmethod
     def _result(entry: _Entry) -> None:

@@ -81,11 +81,16 @@ class Compensator:
         self._lock = threading.Lock()
 
     def undo(self, task_ids: list[str], token: str) -> None:
-        for task_id in task_ids:
+        for i, task_id in enumerate(task_ids):
             try:
                 self.store.delete_if_queued(task_id, token)
             except (BotoCoreError, ClientError):
-                self._later(task_id, token)
+                # The table is out of reach: the rest would each wait out the
+                # same timeouts (while a group commit holds its submits), so
+                # they all go to the background at once.
+                for later in task_ids[i:]:
+                    self._later(later, token)
+                return
 
     def pending(self) -> int:
         return self._pending.qsize()
@@ -258,23 +263,26 @@ class TaskService:
             return self._accepted(record, depth)
         raise unavailable("the task store")
 
-    def _write_fresh(self, group: list[tuple[TaskRecord, TaskMessage]]) -> dict[int, ApiError]:
+    def _write_fresh(self, group: list[tuple[TaskRecord, TaskMessage]], token: str | None = None) -> dict[int, ApiError]:
         """Records, then messages, for tasks with fresh ids: one BatchWriteItem
         per 25 and one SendMessageBatch per 10 per queue. Returns {index: error}
         for the tasks not queued; their records are rolled back."""
         records = [r for r, _ in group]
         messages = [m for _, m in group]
-        token = secrets.token_hex(8)
+        token = token or secrets.token_hex(8)
         try:
             self.store.create_many(records, token)
         except (BotoCoreError, ClientError, RuntimeError):
             self.compensator.undo([r.task_id for r in records], token)
             return {i: unavailable("the task store") for i in range(len(group))}
+        except BaseException:
+            self.compensator.undo([r.task_id for r in records], token)
+            raise
         try:
             self.queues.send_many(messages)
         except (BotoCoreError, ClientError):
-            # Cut off mid-way: which chunks went out is unknown. Every record is
-            # rolled back; a message whose record is gone is dropped by the worker.
+            # Which messages went out is unknown. Every record is rolled back;
+            # a message whose record is gone is dropped by the worker.
             self.compensator.undo([r.task_id for r in records], token)
             return {i: unavailable("the queue") for i in range(len(group))}
         except SendFailed as failed:
@@ -336,22 +344,21 @@ class TaskService:
                 ]
             )
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
+        token = secrets.token_hex(8)
         try:
             for _, m in built:
                 self._claim_check(m)
         except (BotoCoreError, ClientError):
             raise unavailable("the payload store") from None
-        errors = self._write_fresh(built)
-        if len(errors) == len(built):
-            raise next(iter(errors.values()))
+        errors = self._write_fresh(built, token)
         if errors:
-            raise ApiError(
-                503,
-                "dependency_unavailable",
-                f"{len(errors)} of {len(built)} tasks could not be queued and were not recorded; "
-                f"{len(built) - len(errors)} were queued. Send an Idempotency-Key to make retries safe.",
-                headers={"Retry-After": "5"},
-            )
+            # All or nothing: the client learns no task id from a 503, so the
+            # tasks that did go out are rolled back too (a worker drops a
+            # message whose record is gone).
+            kept = [r.task_id for i, (r, _) in enumerate(built) if i not in errors]
+            if kept:
+                self.compensator.undo(kept, token)
+            raise next(iter(errors.values()))
         return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r, _ in built])
 
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:

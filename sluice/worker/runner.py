@@ -132,20 +132,22 @@ class BatchRunner:
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
         list(self.io.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
-        if plan.changes:
-            # A rejected outcome means the task is final already (another
-            # delivery finished it, or it was cancelled): that stands, and this
-            # message is simply acknowledged.
-            self.store.apply_many(plan.changes)
-        done = list(prepared.ack) + [d for o in plan.succeeded for d in o.job.deliveries]
+        # A rejected outcome means the task is final already (another delivery
+        # finished it, or it was cancelled or expired meanwhile): that stands,
+        # and its message is acknowledged whatever this attempt's outcome was.
+        rejected = self.store.apply_many(plan.changes) if plan.changes else set()
+        settled = plan.succeeded + [o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
+        failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
+        retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
+        done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
         if done:
             self.queues.delete_many(done)
-        if plan.failed:
+        if failed:
             # Not deleted: visible at once, its next receive moves it to the DLQ.
-            self.queues.change_visibility_many([d for o in plan.failed for d in o.job.deliveries], 0)
-        if plan.retry:
-            backoff_s = min(30, 2 ** max(o.job.attempts for o in plan.retry))
-            self.queues.change_visibility_many([d for o in plan.retry for d in o.job.deliveries], backoff_s)
+            self.queues.change_visibility_many([d for o in failed for d in o.job.deliveries], 0)
+        if retry:
+            backoff_s = min(30, 2 ** max(o.job.attempts for o in retry))
+            self.queues.change_visibility_many([d for o in retry for d in o.job.deliveries], backoff_s)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
 

@@ -95,6 +95,21 @@ def test_a_cancel_during_inference_wins_and_the_result_is_dropped(api, settings,
     assert receive_all(settings, 1) == []  # acknowledged, not retried
 
 
+def test_a_task_cancelled_during_its_failing_last_attempt_is_acknowledged(api, settings, runner):
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x !fail"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    [message] = receive_all(settings, 1)
+    message.receive_count = settings.max_attempts
+    prepared = runner.prepare([message])
+    outcomes = runner.infer(prepared.jobs)
+    assert outcomes[0].error
+    assert api.delete(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).status_code == 200
+    runner.finish(prepared, outcomes)
+    assert TaskStore(settings).get(task_id).status.value == "cancelled"
+    # Deleted, not made visible for the dead-letter queue: the task is final.
+    assert receive_all(settings, 1) == []
+
+
 def test_a_redelivery_records_its_start_before_running(api, settings, runner):
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["again"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
