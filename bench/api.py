@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from bench.common import default_ddb, Http, closed_loop, log, save, sentence, settings, stack
+from bench.common import Http, closed_loop, log, save, sentence, settings, stack
 
 
 def direct_submitter():
@@ -43,8 +43,9 @@ def purge() -> None:
 
 def main(quick: bool = False, sqs: str = "localstack") -> dict:
     n1, n32 = (100, 320) if quick else (300, 960)
-    results: dict = {"sqs": sqs, "dynamodb": default_ddb(), "phases": {}}
+    results: dict = {"sqs": sqs, "phases": {}}
     with stack(workers=0, api=True, sqs=sqs) as s:
+        results["dynamodb"] = s.ddb
         key = s.create_key("bench")
         direct = direct_submitter()
 

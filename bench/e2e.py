@@ -56,7 +56,7 @@ def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, en
         closed_loop(64, 8, make, one, 120)  # warm-up: every worker has loaded its model
         warm_s = time.monotonic() - t0
         r = closed_loop(requests, clients, make, one, timeout_s=300)
-    return {"system": "Sluice", "config": f"{workers} worker(s) x {threads} torch thread(s), {sqs} SQS + {default_ddb()} "
+    return {"system": "Sluice", "config": f"{workers} worker(s) x {threads} torch thread(s), {sqs} SQS + {s.ddb} "
             f"DynamoDB, " + (f"poll every {int(poll_s * 1000)} ms" if poll_s else f"long poll (wait_s={LONG_POLL_S})"), "warm_s": round(warm_s, 1), "env": env, **r.summary()}
 
 
