@@ -15,34 +15,11 @@ class Storage(Construct):
     def __init__(self, scope: Construct, id: str, *, config: SluiceConfig) -> None:
         super().__init__(scope, id)
 
-        self.tasks = dynamodb.Table(
-            self,
-            "Tasks",
-            partition_key=dynamodb.Attribute(name="task_id", type=dynamodb.AttributeType.STRING),
-            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
-            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
-                point_in_time_recovery_enabled=True
-            ),
-            time_to_live_attribute="expires_at",
-            encryption=dynamodb.TableEncryption.AWS_MANAGED,
-            deletion_protection=True,
-            removal_policy=RemovalPolicy.RETAIN,
-        )
+        self.tasks = self._durable_table("Tasks", "task_id", time_to_live_attribute="expires_at")
         # Hashed keys for the `table` auth mode (embedded/on-prem, or a private
         # deployment without API Gateway keys); the AWS API authenticates with
         # API Gateway keys and never reads it, so nothing here is granted on it.
-        self.keys = dynamodb.Table(
-            self,
-            "ApiKeys",
-            partition_key=dynamodb.Attribute(name="key_hash", type=dynamodb.AttributeType.STRING),
-            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
-            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
-                point_in_time_recovery_enabled=True
-            ),
-            encryption=dynamodb.TableEncryption.AWS_MANAGED,
-            deletion_protection=True,
-            removal_policy=RemovalPolicy.RETAIN,
-        )
+        self.keys = self._durable_table("ApiKeys", "key_hash")
 
         self.access_logs = s3.Bucket(
             self,
@@ -84,3 +61,19 @@ class Storage(Construct):
 
     def grant_bucket(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.bucket_arn])
+
+    def _durable_table(self, id: str, key: str, **extra) -> dynamodb.Table:
+        """On-demand, encrypted, point-in-time recovery, kept on stack deletion."""
+        return dynamodb.Table(
+            self,
+            id,
+            partition_key=dynamodb.Attribute(name=key, type=dynamodb.AttributeType.STRING),
+            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
+            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
+                point_in_time_recovery_enabled=True
+            ),
+            encryption=dynamodb.TableEncryption.AWS_MANAGED,
+            deletion_protection=True,
+            removal_policy=RemovalPolicy.RETAIN,
+            **extra,
+        )
