@@ -36,6 +36,21 @@ def only_record(service):
     return service.store.ddb.scan(TableName=service.settings.tasks_table)["Items"]
 
 
+def rollbacks_cut_off(service) -> threading.Event:
+    """The table refuses the submit's rollback deletes until the returned event is cleared."""
+    table_down = threading.Event()
+    table_down.set()
+    real_delete = service.store.delete_if_queued
+
+    def delete(task_id, token=None):
+        if table_down.is_set():
+            cut()
+        real_delete(task_id, token)
+
+    service.store.delete_if_queued = delete
+    return table_down
+
+
 def visible(settings) -> int:
     return PriorityQueues(settings).depth(Priority.normal, max_age_s=0)
 
@@ -56,16 +71,7 @@ def test_a_record_write_whose_reply_is_lost_is_undone(service, settings):
 
 
 def test_when_the_table_is_down_too_the_rollback_lands_when_it_returns(service, settings):
-    table_down = threading.Event()
-    table_down.set()
-    real_delete = service.store.delete_if_queued
-
-    def delete(task_id, token=None):
-        if table_down.is_set():
-            cut()
-        real_delete(task_id, token)
-
-    service.store.delete_if_queued = delete
+    table_down = rollbacks_cut_off(service)
     service.queues.send_many = cut
     with pytest.raises(ApiError):
         service.submit("t", REQUEST, None)
@@ -75,16 +81,8 @@ def test_when_the_table_is_down_too_the_rollback_lands_when_it_returns(service, 
 
 
 def test_an_idempotent_retry_keeps_the_record_its_first_try_was_rolling_back(service, settings):
-    table_down = threading.Event()
-    table_down.set()
-    real_delete, real_send = service.store.delete_if_queued, service.queues.send
-
-    def delete(task_id, token=None):
-        if table_down.is_set():
-            cut()
-        real_delete(task_id, token)
-
-    service.store.delete_if_queued = delete
+    table_down = rollbacks_cut_off(service)
+    real_send = service.queues.send
     service.queues.send = cut
     with pytest.raises(ApiError):
         service.submit("t", REQUEST, "key-1")
