@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
@@ -64,8 +64,6 @@ class Change:
     allowed_from: tuple[TaskStatus, ...]
     add_attempt: bool = False
     remove: tuple[str, ...] = ()
-    extra_condition: str | None = None
-    extra_values: dict[str, Any] = field(default_factory=dict)
 
     def update(self, table: str) -> dict[str, Any]:
         names: dict[str, str] = {"#s": "status"}
@@ -88,9 +86,6 @@ class Change:
             values[f":from{k}"] = {"S": status.value}
             allowed.append(f":from{k}")
         condition = f"#s IN ({', '.join(allowed)})"
-        if self.extra_condition:
-            condition = f"({condition}) AND ({self.extra_condition})"
-            values.update({k: _ser.serialize(v) for k, v in self.extra_values.items()})
         return {
             "TableName": table,
             "Key": {"task_id": {"S": self.task_id}},
