@@ -17,6 +17,17 @@ from sluice.settings import Settings
 KEY_PREFIX = "sk_"
 
 
+_MISS = object()
+
+
+def _valid(record: ApiKeyRecord | None, digest: str) -> ApiKeyRecord | None:
+    # The lookup is by hash; the compare is constant-time anyway so that no
+    # timing difference depends on how much of a guessed key matched.
+    if record is None or record.revoked or not hmac.compare_digest(record.key_hash, digest):
+        return None
+    return record
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -68,22 +79,30 @@ class ApiKeys:
     def authenticate(self, key: str) -> ApiKeyRecord | None:
         """The key's record if it is known and not revoked; else None."""
         digest = hash_key(key)
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(digest)
-        if hit and now - hit[0] < self.cache_ttl_s:
-            record = hit[1]
-        else:
-            record = self._load(digest)
+        cached = self._cached(digest)
+        if cached is _MISS:
+            cached = self._load(digest)
             with self._lock:
                 if len(self._cache) >= self.cache_size:
                     self._cache.clear()
-                self._cache[digest] = (now, record)
-        # The lookup is by hash; the compare is constant-time anyway so that no
-        # timing difference depends on how much of a guessed key matched.
-        if record is None or record.revoked or not hmac.compare_digest(record.key_hash, digest):
-            return None
-        return record
+                self._cache[digest] = (time.monotonic(), cached)
+        return _valid(cached, digest)
+
+    def authenticate_cached(self, key: str) -> ApiKeyRecord | None:
+        """As authenticate, from the cache alone; raises LookupError when the
+        key must be read from the table (a call an event loop must not make)."""
+        digest = hash_key(key)
+        cached = self._cached(digest)
+        if cached is _MISS:
+            raise LookupError("not cached")
+        return _valid(cached, digest)
+
+    def _cached(self, digest: str):
+        with self._lock:
+            hit = self._cache.get(digest)
+        if hit and time.monotonic() - hit[0] < self.cache_ttl_s:
+            return hit[1]
+        return _MISS
 
     def _load(self, digest: str) -> ApiKeyRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key={"key_hash": {"S": digest}}, ConsistentRead=True).get("Item")

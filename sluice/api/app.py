@@ -193,7 +193,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         err = ApiError(500, "internal_error", "the request failed unexpectedly; it is safe to retry")
         return JSONResponse(err.body(), status_code=500)
 
-    def tenant(request: Request, x_api_key: Annotated[str | None, Security(API_KEY)] = None) -> str:
+    async def tenant(request: Request, x_api_key: Annotated[str | None, Security(API_KEY)] = None) -> str:
         if settings.auth_mode == "apigateway":
             event = request.scope.get("aws.event") or {}
             key_id = (event.get("requestContext") or {}).get("identity", {}).get("apiKeyId")
@@ -202,7 +202,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return key_id
         if not x_api_key:
             raise ApiError(401, "unauthenticated", "missing x-api-key header")
-        record = keys.authenticate(x_api_key)
+        # On the event loop while the key is cached: a thread hop per request
+        # costs more than the lookup itself.
+        try:
+            record = keys.authenticate_cached(x_api_key)
+        except LookupError:
+            record = await run_in_threadpool(keys.authenticate, x_api_key)
         if record is None:
             raise ApiError(403, "forbidden", "unknown or revoked API key")
         if limiter:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from sluice.adapters.api_keys import ApiKeys
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.aws import client as aws_client
@@ -34,6 +35,21 @@ def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(api):
     assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200
     api.keys.revoke(key)
     assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
+
+
+def test_a_key_is_read_from_the_table_once_then_answered_from_the_cache(settings):
+    # The API answers cached keys on its event loop and reads only a miss in a thread.
+    keys = ApiKeys(settings.model_copy(update={"key_cache_s": 60}))
+    key, _ = keys.create("tenant-d")
+    with pytest.raises(LookupError):
+        keys.authenticate_cached(key)
+    assert keys.authenticate(key).tenant_id == "tenant-d"
+    assert keys.authenticate_cached(key).tenant_id == "tenant-d"
+    assert keys.authenticate("sk_unknown") is None
+    assert keys.authenticate_cached("sk_unknown") is None  # an unknown key is cached as unknown
+    keys.revoke(key)
+    with pytest.raises(LookupError):
+        keys.authenticate_cached(key)
 
 
 def test_submit_returns_202_with_position_and_records_one_task(api, settings):
