@@ -112,6 +112,18 @@ def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, 
         s.stop()
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / _TICK
+
+
 def settings():
     from sluice.settings import Settings
 

@@ -16,20 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, Http, closed_loop, log, save, sentence, stack
+from bench.common import RESULTS, Http, closed_loop, cpu_s, log, save, sentence, stack
 from bench.e2e import LONG_POLL_S
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its reaped children."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(x) for x in fields[11:15]) / TICK
-
 
 def stages(seen: list[tuple[dict, float]]) -> dict[str, float]:
     """Where a request's latency goes, from its task's timings: created ->

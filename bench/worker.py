@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import default_ddb, ROOT, log, save, sentence, settings, stack
+from bench.common import ROOT, cpu_s, default_ddb, log, save, sentence, settings, stack
 
 
 def fill(n: int, model: str = "minilm-embed", priority: str = "normal") -> list[str]:
@@ -50,17 +50,37 @@ def wait_drained(ids: list[str], timeout_s: float) -> dict[str, dict]:
     return done
 
 
+def first_finished(sample: list[str], timeout_s: float) -> int:
+    """Waits until a task of the sample is terminal; returns how many are."""
+    from sluice.adapters.task_store import TaskStore
+
+    store = TaskStore(settings())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = sum(r.status.is_terminal for r in store.get_many(sample).values())
+        if done:
+            return done
+        time.sleep(0.1)
+    raise TimeoutError(f"no task finished within {timeout_s}s")
+
+
 def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, extra_env: dict | None = None,
-          sqs: str = "localstack") -> dict:
-    env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_MAX_BATCH_SIZE": str(batch),
+          sqs: str = "localstack", model: str = "minilm-embed") -> dict:
+    env = {"SLUICE_MODELS": model, "SLUICE_MAX_BATCH_SIZE": str(batch),
            "SLUICE_TORCH_THREADS": str(threads), **(extra_env or {})}
     with stack(workers=0, api=False, sqs=sqs, env=env) as s:
         t0 = time.monotonic()
-        ids = fill(n)
+        ids = fill(n, model)
         fill_s = time.monotonic() - t0
         for i in range(workers):
             s.start_worker(i)
+        # Each process's CPU from the first finished task on, so that the
+        # worker's start-up (importing torch, loading the model) is left out.
+        done_before = first_finished(ids[:100], timeout_s=120)
+        pids = {name: proc.pid for name, proc in s.procs.items()}
+        cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
         records = wait_drained(ids, timeout_s)
+        cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
     ok = [r for r in records.values() if r["status"] == "succeeded"]
     if not ok:
         return {"tasks": n, "succeeded": 0, "error": "nothing finished"}
@@ -68,10 +88,11 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
     last = max(r["finished_at"] for r in ok)
     span = max(1e-3, (last - first) / 1000)
     sizes = [r.get("batch_size") or 0 for r in ok]
-    return {"tasks": n, "succeeded": len(ok), "not_finished": n - len(records), "fill_s": round(fill_s, 2),
+    return {"tasks": n, "model": model, "succeeded": len(ok), "not_finished": n - len(records), "fill_s": round(fill_s, 2),
             "span_s": round(span, 2), "tasks_per_s": round(len(ok) / span, 1),
             "mean_batch": round(sum(sizes) / len(sizes), 1), "batch": batch, "threads": threads,
-            "workers": workers, "sqs": sqs, "env": extra_env or {}}
+            "workers": workers, "sqs": sqs, "env": extra_env or {},
+            "cpu_ms_per_task": {name: round(v * 1000 / max(1, len(ok) - done_before), 2) for name, v in cpu.items()}}
 
 
 def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16") -> dict:
@@ -93,6 +114,15 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
     results["efficiency"] = round(results["drain_32"]["tasks_per_s"] / results["raw_32"]["per_s"], 3)
     log(f"worker: efficiency {results['efficiency']} "
         f"({results['drain_32']['tasks_per_s']} tasks/s vs raw {results['raw_32']['per_s']}/s)")
+
+    # The same drain with a model that costs nothing: what the pipeline alone
+    # (queues, table, the worker's own Python) allows on this machine.
+    log(f"worker: drain {n} tasks of a zero-cost model (the pipeline's ceiling)")
+    results["drain_free_model"] = drain(n, 32, threads, timeout_s=240, sqs=sqs, model="synthetic", extra_env={
+        "SLUICE_SYNTHETIC_BASE_MS": "0", "SLUICE_SYNTHETIC_PER_ITEM_MS": "0"})
+    results["pipeline_ceiling"] = round(results["drain_free_model"]["tasks_per_s"] / results["raw_32"]["per_s"], 3)
+    log(f"worker: zero-cost model {results['drain_free_model']['tasks_per_s']} tasks/s = "
+        f"{results['pipeline_ceiling']} x the raw model")
 
     n1 = 200 if quick else 400
     log(f"worker: drain {n1} tasks with max_batch_size=1")
