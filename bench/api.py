@@ -78,6 +78,8 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
         # submit is direct; at 32 clients they alternate in rounds.
         paths = {"direct": (lambda: None, direct), "api": (make_http, api_one)}
         for clients, n, rounds in ((1, n1, 1), (32, n32, 4)):
+            # Pooled over the turns; `ended` sums each path's own time (its
+            # `started` stays 0), so per_s is that path's rate while it ran.
             pooled = {name: LoadResult() for name in paths}
             for r in range(rounds):
                 purge()
