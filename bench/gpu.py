@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 from bench.common import log, save, sentence
 from bench.worker import drain, raw
