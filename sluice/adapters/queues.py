@@ -41,7 +41,6 @@ class PriorityQueues:
         self.settings = settings
         self.sqs = client("sqs", settings)
         self._urls: dict[str, str] = {}
-        self._depth: dict[Priority, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ addressing
@@ -142,15 +141,9 @@ class PriorityQueues:
                 call(url, [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)])
 
     # ----------------------------------------------------------------- depth
-    def depth(self, priority: Priority, max_age_s: float = 1.0) -> int:
-        """Approximate visible messages, cached briefly: it is asked on every submit."""
-        cached = self._depth.get(priority)
-        now = time.monotonic()
-        if cached and now - cached[0] < max_age_s:
-            return cached[1]
+    def depth(self, priority: Priority) -> int:
+        """Approximate visible messages (sluice.api.backlog keeps the API's reading of it)."""
         attrs = self.sqs.get_queue_attributes(
             QueueUrl=self.url(priority), AttributeNames=["ApproximateNumberOfMessages"]
         )["Attributes"]
-        value = int(attrs.get("ApproximateNumberOfMessages", 0))
-        self._depth[priority] = (now, value)
-        return value
+        return int(attrs.get("ApproximateNumberOfMessages", 0))

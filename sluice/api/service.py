@@ -29,6 +29,7 @@ from models.registry import CATALOGUE, ModelSpec
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, SendFailed
 from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected
+from sluice.api.backlog import QueueBacklog
 from sluice.api.errors import ApiError, not_found, unavailable
 from sluice.api.group_commit import GroupCommit
 from sluice.contract import (
@@ -53,9 +54,6 @@ log = logging.getLogger("sluice.api")
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d7c2e-5b0a-4d8e-9a51-3c2f7e9b1d40")
 # Until workers report real throughput, queue estimates assume this rate.
 _ASSUMED_TASKS_PER_S = 100.0
-# Near the backlog cap the cached queue depth is read afresh, so that the cap
-# is overshot by the submits in flight at once, not by a second's worth.
-_BACKLOG_RECHECK_FRACTION = 0.9
 
 
 def idempotent_task_id(tenant_id: str, key: str) -> str:
@@ -137,8 +135,7 @@ class TaskService:
         self.queues = PriorityQueues(settings)
         self.compensator = Compensator(self.store)
         self.group_commit = GroupCommit(self._write_fresh)
-        self._backlog_seen: dict[Priority, tuple[float, int, int]] = {}  # read at, depth, sent since
-        self._backlog_lock = threading.Lock()
+        self.backlog = QueueBacklog(self.queues.depth, settings.backlog_cap)
         served = set(settings.model_names())
         self.models: dict[str, ModelSpec] = {n: s for n, s in CATALOGUE.items() if n in served}
 
@@ -158,27 +155,8 @@ class TaskService:
                 [ErrorDetail(field=field, rule=f"must be one of: {', '.join(sorted(self.models))}")],
             )
 
-    def _backlog(self, priority: Priority) -> int:
-        """The queue's depth as last read (at most a second ago) plus what this
-        process sent since, read afresh near the cap: a stale depth would let a
-        second's worth of submits past it."""
-        now = time.monotonic()
-        with self._backlog_lock:
-            read_at, depth, sent = self._backlog_seen.get(priority, (0.0, 0, 0))
-        if now - read_at < 1.0 and depth + sent < self.settings.backlog_cap * _BACKLOG_RECHECK_FRACTION:
-            return depth + sent
-        depth = self.queues.depth(priority, max_age_s=0)
-        with self._backlog_lock:
-            self._backlog_seen[priority] = (now, depth, 0)
-        return depth
-
-    def _sent(self, priority: Priority, n: int) -> None:
-        with self._backlog_lock:
-            read_at, depth, sent = self._backlog_seen.get(priority, (0.0, 0, 0))
-            self._backlog_seen[priority] = (read_at, depth, sent + n)
-
     def _check_backlog(self, priority: Priority) -> int:
-        depth = self._backlog(priority)
+        depth = self.backlog.depth(priority)
         if depth >= self.settings.backlog_cap:
             raise ApiError(
                 429,
@@ -292,7 +270,7 @@ class TaskService:
             lost = set()
         for m in messages:
             if m.task_id not in lost:
-                self._sent(m.priority, 1)
+                self.backlog.sent(m.priority, 1)
         return {i: unavailable("the queue") for i, m in enumerate(messages) if m.task_id in lost}
 
     def _send(self, message: TaskMessage, token: str) -> None:
@@ -301,7 +279,7 @@ class TaskService:
         except (BotoCoreError, ClientError):
             self.compensator.undo([message.task_id], token)
             raise unavailable("the queue") from None
-        self._sent(message.priority, 1)
+        self.backlog.sent(message.priority, 1)
 
     def _replay(
         self, existing: TaskRecord, record: TaskRecord, message: TaskMessage, token: str, depth: int
@@ -364,9 +342,9 @@ class TaskService:
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
         ahead = depth
         if record.priority != Priority.high:
-            ahead += self._cached_depth(Priority.high)
+            ahead += self.backlog.estimate(Priority.high)
         if record.priority == Priority.low:
-            ahead += self._cached_depth(Priority.normal)
+            ahead += self.backlog.estimate(Priority.normal)
         return TaskAccepted(
             task_id=record.task_id,
             status=record.status,
@@ -374,12 +352,6 @@ class TaskService:
             queue_position=ahead,
             estimated_wait_s=round(ahead / _ASSUMED_TASKS_PER_S, 2),
         )
-
-    def _cached_depth(self, priority: Priority) -> int:
-        try:
-            return self.queues.depth(priority)
-        except (BotoCoreError, ClientError):
-            return 0
 
     # ---------------------------------------------------------- get/cancel
     def _owned(self, tenant_id: str, task_id: str, record: TaskRecord | None) -> TaskRecord:

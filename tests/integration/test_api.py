@@ -18,7 +18,7 @@ def nothing_recorded(settings) -> bool:
     ddb = aws_client("dynamodb", settings)
     items = ddb.scan(TableName=settings.tasks_table, Select="COUNT")["Count"]
     queues = PriorityQueues(settings)
-    visible = sum(queues.depth(p, max_age_s=0) for p in Priority)
+    visible = sum(queues.depth(p) for p in Priority)
     return items == 0 and visible == 0
 
 

@@ -52,7 +52,7 @@ def rollbacks_cut_off(service) -> threading.Event:
 
 
 def visible(settings) -> int:
-    return PriorityQueues(settings).depth(Priority.normal, max_age_s=0)
+    return PriorityQueues(settings).depth(Priority.normal)
 
 
 def test_a_record_write_whose_reply_is_lost_is_undone(service, settings):

@@ -1,0 +1,96 @@
+"""The API's reading of queue depths: stale figures answer while a new one is read,
+except near the cap, where the depth is read before answering."""
+
+import threading
+
+import pytest
+from botocore.exceptions import EndpointConnectionError
+
+from sluice.api.backlog import QueueBacklog
+from sluice.contract import Priority
+
+WAIT_S = 5
+
+
+class Counter:
+    """Stands in for GetQueueAttributes: answers `depth`, optionally held until released."""
+
+    def __init__(self, depth: int):
+        self.depth, self.calls = depth, 0
+        self.release = threading.Event()
+        self.release.set()
+        self.answered = threading.Event()
+        self.fail = False
+
+    def __call__(self, _priority: Priority) -> int:
+        self.calls += 1
+        assert self.release.wait(WAIT_S), "the read was never released"
+        try:
+            if self.fail:
+                raise EndpointConnectionError(endpoint_url="http://sqs")
+            return self.depth
+        finally:
+            self.answered.set()
+
+
+def renewed(backlog: QueueBacklog) -> None:
+    """Returns once the renewal in flight has finished (renewals run one at a time)."""
+    backlog._pool.submit(lambda: None).result(WAIT_S)
+
+
+def test_the_first_depth_is_read_then_counted_with_what_was_sent():
+    read = Counter(7)
+    backlog = QueueBacklog(read, cap=1000, max_age_s=60)
+    assert backlog.depth(Priority.normal) == 7
+    backlog.sent(Priority.normal, 3)
+    assert backlog.depth(Priority.normal) == 10
+    assert read.calls == 1
+
+
+def test_a_stale_depth_answers_at_once_while_a_new_one_is_read_in_the_background():
+    read = Counter(7)
+    backlog = QueueBacklog(read, cap=1000, max_age_s=0)
+    assert backlog.depth(Priority.normal) == 7
+    read.depth, read.answered = 50, threading.Event()
+    read.release.clear()
+    # The read is held: a submit that waited for it would not return.
+    assert backlog.depth(Priority.normal) == 7
+    assert backlog.depth(Priority.normal) == 7
+    read.release.set()
+    assert read.answered.wait(WAIT_S)
+    renewed(backlog)
+    assert read.calls == 2  # one renewal in flight at a time
+    assert backlog.depth(Priority.normal) == 50
+
+
+def test_near_the_cap_the_depth_is_read_before_answering():
+    read = Counter(95)
+    backlog = QueueBacklog(read, cap=100, max_age_s=60)
+    assert backlog.depth(Priority.low) == 95
+    read.depth = 100
+    assert backlog.depth(Priority.low) == 100  # 95 is past 90% of the cap: read again, inline
+    assert read.calls == 2
+
+
+def test_a_failed_renewal_keeps_the_older_figure_and_a_later_submit_tries_again():
+    read = Counter(4)
+    backlog = QueueBacklog(read, cap=1000, max_age_s=0)
+    assert backlog.depth(Priority.high) == 4
+    read.fail, read.answered = True, threading.Event()
+    assert backlog.depth(Priority.high) == 4
+    assert read.answered.wait(WAIT_S)
+    renewed(backlog)
+    read.fail, read.depth, read.answered = False, 9, threading.Event()
+    assert backlog.depth(Priority.high) == 4
+    assert read.answered.wait(WAIT_S)
+    renewed(backlog)
+    assert backlog.depth(Priority.high) == 9
+
+
+def test_an_unknown_depth_that_cannot_be_read_fails_the_cap_check_but_not_an_estimate():
+    read = Counter(0)
+    read.fail = True
+    backlog = QueueBacklog(read, cap=1000)
+    assert backlog.estimate(Priority.high) == 0
+    with pytest.raises(EndpointConnectionError):
+        backlog.depth(Priority.high)
