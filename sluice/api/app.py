@@ -241,19 +241,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks}, status_code=200 if ok else 503)
 
+    # The routes are `async` and hand only the blocking AWS calls to a thread:
+    # for a plain `def` route FastAPI also validates the response in a thread,
+    # a second hop per request.
     @app.get("/v1/models", response_model=ModelList, tags=["models"])
-    def list_models(_: Tenant) -> ModelList:
+    async def list_models(_: Tenant) -> ModelList:
         return ModelList(models=service.list_models())
 
     @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"])
-    def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None) -> TaskAccepted:
-        return service.submit(tenant_id, body, idempotency_key)
+    async def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None) -> TaskAccepted:
+        return await run_in_threadpool(service.submit, tenant_id, body, idempotency_key)
 
     @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"])
-    def submit_batch(
+    async def submit_batch(
         body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None
     ) -> BatchAccepted:
-        return service.submit_batch(tenant_id, body, idempotency_key)
+        return await run_in_threadpool(service.submit_batch, tenant_id, body, idempotency_key)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
     async def get_task(
@@ -280,7 +283,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
-    def cancel_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
-        return service.cancel(tenant_id, task_id)
+    async def cancel_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
+        return await run_in_threadpool(service.cancel, tenant_id, task_id)
 
     return app
