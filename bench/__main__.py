@@ -13,11 +13,12 @@ import json
 import time
 import traceback
 
-from bench import api, e2e, emulators, gpu, priorities, startup, worker
+from bench import api, e2e, emulators, gpu, priorities, sdk, startup, worker
 from bench.common import ROOT, RESULTS, log, machine, save
 
 SUITE = {
     "emulators": emulators.main,
+    "sdk": sdk.main,
     "api": api.main,
     "worker": worker.main,
     "e2e": e2e.main,
