@@ -55,8 +55,9 @@ class QueueBacklog:
 
     def sent(self, priority: Priority, n: int) -> None:
         with self._lock:
-            read_at, depth, sent = self._seen.get(priority, (0.0, 0, 0))
-            self._seen[priority] = (read_at, depth, sent + n)
+            if priority in self._seen:  # else the first reading will count them
+                read_at, depth, sent = self._seen[priority]
+                self._seen[priority] = (read_at, depth, sent + n)
 
     def _estimate(self, priority: Priority) -> int | None:
         with self._lock:

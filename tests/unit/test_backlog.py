@@ -94,3 +94,11 @@ def test_an_unknown_depth_that_cannot_be_read_fails_the_cap_check_but_not_an_est
     assert backlog.estimate(Priority.high) == 0
     with pytest.raises(EndpointConnectionError):
         backlog.depth(Priority.high)
+
+
+def test_sends_before_the_first_reading_leave_it_to_that_reading():
+    read = Counter(12)
+    backlog = QueueBacklog(read, cap=1000, max_age_s=60)
+    backlog.sent(Priority.normal, 5)
+    assert backlog.depth(Priority.normal) == 12  # read, not 5 guessed from nothing
+    assert read.calls == 1
