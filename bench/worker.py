@@ -17,16 +17,19 @@ import time
 from bench.common import ROOT, cpu_s, default_ddb, log, save, sentence, settings, stack
 
 
-def fill(n: int, model: str = "minilm-embed", priority: str = "normal") -> list[str]:
-    """Create n one-sentence tasks the way POST /v1/tasks/batch does (records, then messages)."""
+def fill(n: int, model: str = "minilm-embed", priority: str = "normal", inputs_per_task: int = 1) -> list[str]:
+    """Create n tasks of `inputs_per_task` sentences each the way POST
+    /v1/tasks/batch does (records, then messages)."""
     from sluice.api.service import TaskService
     from sluice.contract import SubmitRequest, new_task_id
 
     service = TaskService(settings())
     ids: list[str] = []
     for start in range(0, n, 100):
-        built = [service._build("bench", SubmitRequest(model=model, inputs=[sentence(start + i)], priority=priority),
-                                new_task_id()) for i in range(min(100, n - start))]
+        built = [service._build("bench", SubmitRequest(
+            model=model, priority=priority,
+            inputs=[sentence((start + i) * inputs_per_task + j) for j in range(inputs_per_task)]),
+            new_task_id()) for i in range(min(100, n - start))]
         service.store.create_many([r for r, _ in built])
         service.queues.send_many([m for _, m in built])
         ids += [r.task_id for r, _ in built]
@@ -65,12 +68,12 @@ def first_finished(sample: list[str], timeout_s: float) -> int:
 
 
 def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, extra_env: dict | None = None,
-          sqs: str = "localstack", model: str = "minilm-embed") -> dict:
+          sqs: str = "localstack", model: str = "minilm-embed", inputs_per_task: int = 1) -> dict:
     env = {"SLUICE_MODELS": model, "SLUICE_MAX_BATCH_SIZE": str(batch),
            "SLUICE_TORCH_THREADS": str(threads), **(extra_env or {})}
     with stack(workers=0, api=False, sqs=sqs, env=env) as s:
         t0 = time.monotonic()
-        ids = fill(n, model)
+        ids = fill(n, model, inputs_per_task=inputs_per_task)
         fill_s = time.monotonic() - t0
         for i in range(workers):
             s.start_worker(i)
@@ -89,15 +92,16 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
     span = max(1e-3, (last - first) / 1000)
     sizes = [r.get("batch_size") or 0 for r in ok]
     return {"tasks": n, "model": model, "succeeded": len(ok), "not_finished": n - len(records), "fill_s": round(fill_s, 2),
-            "span_s": round(span, 2), "tasks_per_s": round(len(ok) / span, 1),
+            "span_s": round(span, 2), "tasks_per_s": round(len(ok) / span, 1), "inputs_per_task": inputs_per_task,
+            "inputs_per_s": round(len(ok) * inputs_per_task / span, 1), "first_started_ms": first, "last_finished_ms": last,
             "mean_batch": round(sum(sizes) / len(sizes), 1), "batch": batch, "threads": threads,
             "workers": workers, "sqs": sqs, "env": extra_env or {},
             "cpu_ms_per_task": {name: round(v * 1000 / max(1, len(ok) - done_before), 2) for name, v in cpu.items()}}
 
 
-def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16") -> dict:
+def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16", device: str = "cpu") -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.rawmodel", "--batch", str(batch), "--threads", str(threads),
-                          "--seconds", str(seconds), "--dtype", dtype], cwd=ROOT, capture_output=True, text=True,
+                          "--seconds", str(seconds), "--dtype", dtype, "--device", device], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
