@@ -88,12 +88,12 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
         Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True) for j in redelivered
     ]
     rejected = store.apply_many(changes) if changes else set()
-    records = store.get_many(j.message.task_id for j in first) if first else {}
+    statuses = store.statuses(j.message.task_id for j in first) if first else {}
     for job in redelivered:
         (result.gone if job.message.task_id in rejected else result.runnable).append(job)
     for job in first:
-        record = records.get(job.message.task_id)
-        (result.gone if record is None or record.status.is_terminal else result.runnable).append(job)
+        status = statuses.get(job.message.task_id)
+        (result.gone if status is None or status.is_terminal else result.runnable).append(job)
     return result
 
 

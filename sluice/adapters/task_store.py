@@ -143,17 +143,24 @@ class TaskStore:
         return from_item(item) if item else None
 
     def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
+        return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids)}
+
+    def statuses(self, task_ids: Iterable[str]) -> dict[str, TaskStatus]:
+        """Only the status of each task that exists: what a worker's claim
+        reads for every batch, without a record's inputs, result or model."""
+        projection = {"ProjectionExpression": "task_id, #s", "ExpressionAttributeNames": {"#s": "status"}}
+        return {item["task_id"]["S"]: TaskStatus(item["status"]["S"]) for item in self._batch_get(task_ids, projection)}
+
+    def _batch_get(self, task_ids: Iterable[str], options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(dict.fromkeys(task_ids))
-        found: dict[str, TaskRecord] = {}
+        items: list[dict[str, Any]] = []
         for chunk in _chunks(ids, 100):
-            request = {self.table: {"Keys": [_key(t) for t in chunk], "ConsistentRead": True}}
+            request = {self.table: {"Keys": [_key(t) for t in chunk], "ConsistentRead": True, **(options or {})}}
             while request:
                 response = self.ddb.batch_get_item(RequestItems=request)
-                for item in response["Responses"].get(self.table, []):
-                    record = from_item(item)
-                    found[record.task_id] = record
+                items += response["Responses"].get(self.table, [])
                 request = response.get("UnprocessedKeys") or {}
-        return found
+        return items
 
     def delete_if_queued(self, task_id: str, token: str | None = None) -> None:
         """Compensation when a submit could not enqueue its message. With a

@@ -65,3 +65,13 @@ def test_get_many_and_compensating_delete(store):
     store.apply(Change(records[1].task_id, {"status": "cancelled"}, QUEUED))
     store.delete_if_queued(records[1].task_id)  # not queued any more: kept
     assert store.get(records[1].task_id) is not None
+
+
+def test_statuses_reads_only_the_status_of_tasks_that_exist(store):
+    records = [record() for _ in range(120)]  # more than one BatchGetItem of 100 keys
+    store.create_many(records)
+    store.apply(Change(records[0].task_id, {"status": "cancelled"}, QUEUED))
+    statuses = store.statuses([r.task_id for r in records] + ["missing"])
+    assert set(statuses) == {r.task_id for r in records}
+    assert statuses[records[0].task_id] is TaskStatus.cancelled
+    assert {statuses[r.task_id] for r in records[1:]} == {TaskStatus.queued}
