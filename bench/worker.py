@@ -113,6 +113,10 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
 
     log(f"worker: raw model, batch 32, {threads} threads")
     results["raw_32"] = raw(32, threads)
+    # The worker serves bf16 (SLUICE_MINILM_DTYPE); fp32 is the issue's
+    # reference and, on some CPUs, the faster of the two: both are recorded.
+    results["raw_32_fp32"] = raw(32, threads, seconds=4, dtype="fp32")
+    log(f"worker: raw model bf16 {results['raw_32']['per_s']}/s, fp32 {results['raw_32_fp32']['per_s']}/s")
     log(f"worker: drain {n} tasks, one worker, max_batch_size=32 ({sqs} SQS)")
     results["drain_32"] = drain(n, 32, threads, timeout_s=240, sqs=sqs)
     results["efficiency"] = round(results["drain_32"]["tasks_per_s"] / results["raw_32"]["per_s"], 3)
