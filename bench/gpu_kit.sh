@@ -89,20 +89,27 @@ pack() {  # pack PART STAGE_DIR
 }
 
 # --------------------------------------------------------------------- site
+# NAME==VERSION for each named distribution, as `make install` resolved it in
+# .venv: the GPU machine runs what the tests here ran, never a hand-kept copy.
+venv_pins() {
+  "$ROOT/.venv/bin/python" -c 'import sys; from importlib.metadata import version
+print("\n".join(f"{name}=={version(name)}" for name in sys.argv[1:]))' "$@"
+}
+
 # Sluice's core (pydantic, boto3, powertools), its API extras (fastapi, uvicorn:
 # small, for the benchmarks that start the API) and moto's server with only
-# the services the embedded stack uses. Versions as in .venv (pyproject ranges).
+# the services the embedded stack uses.
 build_site() {
   local s=$B/site
   rm -rf "$s" && mkdir -p "$s"
-  "$PY312" -m pip install -q --target "$s" --no-deps --no-compile "${PIP_TARGET_FLAGS[@]}" \
-    pydantic==2.14.3 pydantic-core==2.50.4 pydantic-settings==2.16.3 annotated-types==0.8.0 \
-    typing-inspection==0.4.5 typing-extensions==4.16.0 python-dotenv==1.2.4 \
-    boto3==1.44.5 botocore==1.44.5 s3transfer==0.19.3 jmespath==1.1.0 aws-lambda-powertools==3.37.0 \
-    moto==5.2.5 xmltodict==1.0.4 responses==0.26.3 py-partiql-parser==0.6.3 \
-    flask==3.1.3 flask-cors==6.0.5 blinker==1.9.0 itsdangerous==2.2.0 \
-    cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
-    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+  local pins
+  pins=$(venv_pins pydantic pydantic-core pydantic-settings annotated-types typing-inspection typing-extensions \
+    python-dotenv boto3 botocore s3transfer jmespath aws-lambda-powertools \
+    moto xmltodict responses py-partiql-parser flask flask-cors blinker itsdangerous cryptography cffi pycparser \
+    fastapi starlette uvicorn opentelemetry-api) || die "cannot read the versions from .venv (run make install)"
+  say "site: $(echo $pins)"
+  # shellcheck disable=SC2086  # one requirement a word
+  "$PY312" -m pip install -q --target "$s" --no-deps --no-compile "${PIP_TARGET_FLAGS[@]}" $pins
   # botocore: the services the stack calls (and moto's server loads), plus the shared JSON.
   keep_only "$s/botocore/data" s3 sqs dynamodb dynamodbstreams sts iam cloudwatch logs \
     endpoints.json partitions.json sdk-default-configuration.json _retry.json
