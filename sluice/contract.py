@@ -156,7 +156,10 @@ class TaskView(BaseModel):
 class ModelInfo(BaseModel):
     name: str
     version: str
-    max_batch_size: int
+    max_batch_size: int = Field(
+        description="The model's bound on inputs per forward pass on a CPU worker: a deployment may batch fewer "
+        "(SLUICE_MAX_BATCH_SIZE), a CUDA worker more. Not a limit on a request, whose `inputs` have their own."
+    )
     description: str
 
 
