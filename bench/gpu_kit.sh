@@ -89,10 +89,12 @@ pack() {  # pack PART STAGE_DIR
 }
 
 # --------------------------------------------------------------------- site
-# NAME==VERSION for each named distribution, as `make install` resolved it in
-# .venv: the GPU machine runs what the tests here ran, never a hand-kept copy.
+# venv_pins VENV NAME...: NAME==VERSION for each named distribution, as `make
+# install` resolved it in VENV: the GPU machine runs what the tests here ran,
+# never a hand-kept copy.
 venv_pins() {
-  "$ROOT/.venv/bin/python" -c 'import sys; from importlib.metadata import version
+  local venv=$1; shift
+  "$ROOT/$venv/bin/python" -c 'import sys; from importlib.metadata import version
 print("\n".join(f"{name}=={version(name)}" for name in sys.argv[1:]))' "$@"
 }
 
@@ -103,7 +105,7 @@ build_site() {
   local s=$B/site
   rm -rf "$s" && mkdir -p "$s"
   local pins
-  pins=$(venv_pins pydantic pydantic-core pydantic-settings annotated-types typing-inspection typing-extensions \
+  pins=$(venv_pins .venv pydantic pydantic-core pydantic-settings annotated-types typing-inspection typing-extensions \
     python-dotenv boto3 botocore s3transfer jmespath aws-lambda-powertools \
     moto xmltodict responses py-partiql-parser flask flask-cors blinker itsdangerous cryptography cffi pycparser \
     fastapi starlette uvicorn opentelemetry-api) || die "cannot read the versions from .venv (run make install)"
@@ -192,11 +194,14 @@ EOF
 # LocalStack imports (traced, then checked by running it), and the service
 # catalog built from the pruned site, as the Makefile's $(LS_STAMP) does.
 build_localstack() {
-  local l=$B/localstack s=$B/localstack/site
+  local l=$B/localstack s=$B/localstack/site pins
   rm -rf "$l" && mkdir -p "$s"
+  # The Makefile's requirements for .venv-localstack, with the SDK and moto fork it resolved.
+  pins=$(venv_pins .venv-localstack botocore boto3 moto-ext) \
+    || die "cannot read the versions from .venv-localstack (run make install)"
+  # shellcheck disable=SC2086  # one requirement a word
   "$PY312" -m pip install -q --target "$s" --no-compile --disable-pip-version-check \
-    'localstack-core[runtime]==4.13.1' 'cbor2<6' 'pyopenssl==24.3.0' 'cryptography==44.0.3' service_identity \
-    botocore==1.42.34 boto3==1.42.34 moto-ext==5.1.54
+    'localstack-core[runtime]==4.13.1' 'cbor2<6' 'pyopenssl==24.3.0' 'cryptography==44.0.3' service_identity $pins
   # this machine's glibc may pick newer manylinux wheels than the GPU machine can load
   "$PY312" -m pip install -q --target "$s" --no-deps --no-compile --upgrade "${PIP_TARGET_FLAGS[@]}" cryptography==44.0.3
   local keep=(OpenSSL annotated_types asn1crypto attr attrs boto3 botocore cachetools cbor2 _cbor2.cpython-312-x86_64-linux-gnu.so
