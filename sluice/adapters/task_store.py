@@ -147,7 +147,7 @@ class TaskStore:
 
     def statuses(self, task_ids: Iterable[str]) -> dict[str, TaskStatus]:
         """Only the status of each task that exists: what a worker's claim
-        reads for every batch, without a record's inputs, result or model."""
+        reads for every batch, without a record's result, error or metadata."""
         projection = {"ProjectionExpression": "task_id, #s", "ExpressionAttributeNames": {"#s": "status"}}
         return {item["task_id"]["S"]: TaskStatus(item["status"]["S"]) for item in self._batch_get(task_ids, projection)}
 
