@@ -28,6 +28,8 @@ import pytest
 import yaml
 from botocore.config import Config
 from dockerfile_reader import ROOT, cmd, env, healthcheck
+from sluice.aws import client
+from sluice.settings import Settings
 from servers import (
     BIN,
     CREDENTIALS,
@@ -181,6 +183,18 @@ def test_each_service_lives_on_its_own_server(stack):
     moto_sqs = boto3.client("sqs", endpoint_url=stack.endpoints["dynamodb"], region_name=REGION,
                             aws_access_key_id="x", aws_secret_access_key="x")
     assert moto_sqs.list_queues().get("QueueUrls", []) == []
+
+
+def test_sluice_clients_keep_their_connection_to_localstack(stack, monkeypatch):
+    # LocalStack's hypercorn gateway closes every connection a client does not
+    # ask to keep; Sluice's clients ask, so a call does not open a new one.
+    for name, value in stack.base_env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    ours = client("sqs", Settings()).list_queues(QueueNamePrefix="sluice-")
+    plain = stack.client("sqs").list_queues(QueueNamePrefix="sluice-")
+    assert plain["ResponseMetadata"]["HTTPHeaders"].get("connection") == "close"
+    assert ours["ResponseMetadata"]["HTTPHeaders"].get("connection") != "close"
 
 
 def test_ready_and_both_image_healthchecks_pass(stack, api):
