@@ -1,9 +1,11 @@
-"""moto's AWS emulator app on a cheaper HTTP server, for the embedded profile.
+"""moto's AWS emulator app without an access-log line per call, for the embedded profile.
 
-Same app as `moto_server`, two changes, both measured in docs/benchmarks.md:
-HTTP/1.1 keep-alive (moto_server answers HTTP/1.0, so every boto3 call opened
-a TCP connection and the server started a thread for it) and no access-log
-line per call. `python -m onprem.moto_server -H 127.0.0.1 -p PORT`
+Same app and server as `moto_server` (werkzeug's), minus the log line
+(docs/benchmarks.md). Each call still comes on a new connection: werkzeug
+answers every request with `Connection: close`, and after each response reads
+whatever the socket holds for 10 ms, which on a kept connection would swallow
+the client's next request. So HTTP/1.1 here only frames the responses; it
+does not keep connections. `python -m onprem.moto_server -H 127.0.0.1 -p PORT`
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoReque
 from werkzeug.serving import run_simple
 
 
-class KeepAliveHandler(MotoRequestHandler):
+class QuietHandler(MotoRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_request(self, code="-", size="-") -> None:
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run_simple(args.host, args.port, DomainDispatcherApplication(create_backend_app), threaded=True,
-               request_handler=KeepAliveHandler)
+               request_handler=QuietHandler)
 
 
 if __name__ == "__main__":
