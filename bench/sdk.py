@@ -1,9 +1,11 @@
 """What one AWS call costs the caller's CPU: botocore's default client config
-against Sluice's (`sluice.aws.client_config`: a fixed User-Agent, no client-side
-parameter validation), for the calls made once per task on the hot paths.
+against Sluice's clients (`sluice.aws.new_client`: a fixed User-Agent, no
+client-side parameter validation, and `Connection: keep-alive` asked for), for
+the calls made once per task on the hot paths.
 
-CPU time of this process only (the emulators run in their own), per call, the
-configs taking turns over several rounds; the median round is reported.
+CPU time of this process, and of the emulator that answered (dynalite for
+DynamoDB, LocalStack for SQS), per call, the two kinds of client taking turns
+over several rounds; the median round is reported.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import statistics
 import sys
 import time
 
-from bench.common import log, save, sentence, settings, stack
+from bench.common import cpu_s, log, save, sentence, settings, stack
 
 ROUNDS = 5
 
@@ -25,7 +27,7 @@ def main(quick: bool = False) -> dict:
     from sluice.adapters.queues import PriorityQueues
     from sluice.adapters.task_store import Change, TaskStore, to_item
     from sluice.api.service import TaskService
-    from sluice.aws import client_config
+    from sluice.aws import client_config, new_client
     from sluice.contract import Priority, SubmitRequest, TaskStatus, new_task_id
 
     n = 100 if quick else 300
@@ -35,15 +37,19 @@ def main(quick: bool = False) -> dict:
         st = settings()
         service = TaskService(st)
         url = PriorityQueues(st).url(Priority.low)
-        sluice_config = client_config(st)
         # The same timeouts and retries, with botocore's own User-Agent and validation.
-        default_config = sluice_config.merge(Config(user_agent=None, parameter_validation=True))
+        default_config = client_config(st).merge(Config(user_agent=None, parameter_validation=True))
+        kinds = {
+            "botocore_default": lambda service: boto3.session.Session().client(service, config=default_config),
+            "sluice": lambda service: new_client(service, st),
+        }
+        server_pid = {"dynamodb": s.procs["ddb" if s.ddb == "dynalite" else "emulator"].pid, "sqs": s.procs["sqs"].pid}
         result_json = json.dumps([[0.1234567] * 384])  # one embedding, as a worker writes it
         cpu: dict[str, dict[str, list[float]]] = {}
+        server_cpu: dict[str, dict[str, list[float]]] = {}
         for r in range(ROUNDS):
-            for name, config in (("botocore_default", default_config), ("sluice", sluice_config)):
-                ddb = boto3.session.Session().client("dynamodb", config=config)
-                sqs = boto3.session.Session().client("sqs", config=config)
+            for name, make in kinds.items():
+                ddb, sqs = make("dynamodb"), make("sqs")
                 store = TaskStore(st, ddb=ddb)
                 records = [service._build("bench", SubmitRequest(model="minilm-embed", inputs=[sentence(i)]),
                                           new_task_id())[0] for i in range(n + 10)]
@@ -57,17 +63,23 @@ def main(quick: bool = False) -> dict:
                 }
                 for call, fn in calls.items():
                     fn(n)  # the first call of a client builds its endpoint and connection
-                    t0 = time.process_time()
+                    server = server_pid["sqs" if call.startswith("send") else "dynamodb"]
+                    t0, s0 = time.process_time(), cpu_s(server)
                     for i in range(n):
                         fn(i)
                     cpu.setdefault(call, {}).setdefault(name, []).append((time.process_time() - t0) / n * 1000)
+                    server_cpu.setdefault(call, {}).setdefault(name, []).append((cpu_s(server) - s0) / n * 1000)
                 sqs.purge_queue(QueueUrl=url)
             log(f"sdk: round {r + 1} of {ROUNDS}")
         for call, by_config in cpu.items():
             medians = {name: round(statistics.median(v), 3) for name, v in by_config.items()}
+            server = {name: round(statistics.median(v), 3) for name, v in server_cpu[call].items()}
             results[call] = {"cpu_ms_per_call": medians,
-                             "ratio": round(medians["sluice"] / medians["botocore_default"], 2)}
-            log(f"sdk: {call}: {medians} ratio {results[call]['ratio']}")
+                             "ratio": round(medians["sluice"] / medians["botocore_default"], 2),
+                             "server_cpu_ms_per_call": server,
+                             "server_ratio": round(server["sluice"] / max(1e-9, server["botocore_default"]), 2)}
+            log(f"sdk: {call}: client {medians} ratio {results[call]['ratio']}; "
+                f"server {server} ratio {results[call]['server_ratio']}")
     save("sdk_cpu", results)
     return results
 

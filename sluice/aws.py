@@ -56,6 +56,13 @@ def _ask_keep_alive(request, **_) -> None:
     request.headers["Connection"] = "keep-alive"
 
 
+def new_client(service: str, settings: Settings):
+    """A client of its own with Sluice's config; most callers want the shared one, `client()`."""
+    made = boto3.session.Session().client(service, config=client_config(settings))
+    made.meta.events.register("before-send", _ask_keep_alive)
+    return made
+
+
 def client(service: str, settings: Settings):
     """A shared, thread-safe client per (service, process, endpoint)."""
     # The endpoint variables are part of the key: a process that talks to one
@@ -65,7 +72,5 @@ def client(service: str, settings: Settings):
     key = (service, str(os.getpid()), endpoints)
     with _lock:
         if key not in _clients:
-            made = boto3.session.Session().client(service, config=client_config(settings))
-            made.meta.events.register("before-send", _ask_keep_alive)
-            _clients[key] = made
+            _clients[key] = new_client(service, settings)
         return _clients[key]
