@@ -43,7 +43,7 @@ def main(quick: bool = False) -> dict:
             "botocore_default": lambda service: boto3.session.Session().client(service, config=default_config),
             "sluice": lambda service: new_client(service, st),
         }
-        server_pid = {"dynamodb": s.procs["ddb" if s.ddb == "dynalite" else "emulator"].pid, "sqs": s.procs["sqs"].pid}
+        ddb_server, sqs_server = s.procs["ddb" if s.ddb == "dynalite" else "emulator"].pid, s.procs["sqs"].pid
         result_json = json.dumps([[0.1234567] * 384])  # one embedding, as a worker writes it
         cpu: dict[str, dict[str, list[float]]] = {}
         server_cpu: dict[str, dict[str, list[float]]] = {}
@@ -53,17 +53,17 @@ def main(quick: bool = False) -> dict:
                 store = TaskStore(st, ddb=ddb)
                 records = [service._build("bench", SubmitRequest(model="minilm-embed", inputs=[sentence(i)]),
                                           new_task_id())[0] for i in range(n + 10)]
+                # call: (the emulator process that answers it, one call)
                 calls = {
-                    "put_item": lambda i: ddb.put_item(TableName=store.table, Item=to_item(records[i])),
-                    "update_item_outcome": lambda i: ddb.update_item(**Change(
+                    "put_item": (ddb_server, lambda i: ddb.put_item(TableName=store.table, Item=to_item(records[i]))),
+                    "update_item_outcome": (ddb_server, lambda i: ddb.update_item(**Change(
                         records[i].task_id, {"status": TaskStatus.succeeded.value, "result_json": result_json},
-                        (TaskStatus.queued,)).update(store.table)),
-                    "send_message_batch_10": lambda i: sqs.send_message_batch(
-                        QueueUrl=url, Entries=[{"Id": str(j), "MessageBody": "x" * 300} for j in range(10)]),
+                        (TaskStatus.queued,)).update(store.table))),
+                    "send_message_batch_10": (sqs_server, lambda i: sqs.send_message_batch(
+                        QueueUrl=url, Entries=[{"Id": str(j), "MessageBody": "x" * 300} for j in range(10)])),
                 }
-                for call, fn in calls.items():
+                for call, (server, fn) in calls.items():
                     fn(n)  # the first call of a client builds its endpoint and connection
-                    server = server_pid["sqs" if call.startswith("send") else "dynamodb"]
                     t0, s0 = time.process_time(), cpu_s(server)
                     for i in range(n):
                         fn(i)
