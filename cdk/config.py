@@ -153,6 +153,8 @@ class SluiceConfig:
             problems.append("longest_batch_s: 1..3600")
         if "sagemaker" in self.backends and self.longest_batch_s > 60:
             problems.append("longest_batch_s: a SageMaker real-time invocation ends after 60 s")
+        if not 1 <= self.max_attempts <= 1000:
+            problems.append("max_attempts: 1..1000 (it is also the queues' maxReceiveCount)")
         if not 0 <= self.min_workers <= self.max_workers:
             problems.append("min_workers <= max_workers")
         if not 0 <= self.min_nodes <= self.max_nodes or self.max_nodes < 1:

@@ -8,7 +8,6 @@ from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
 from cdk.config import PRIORITIES, SluiceConfig
-from sluice.bootstrap import MAX_RECEIVE_COUNT
 
 
 class Queues(Construct):
@@ -35,13 +34,21 @@ class Queues(Construct):
                 enforce_ssl=True,
                 visibility_timeout=Duration.seconds(config.visibility_timeout_s),
                 retention_period=Duration.days(4),
-                dead_letter_queue=sqs.DeadLetterQueue(queue=dlq, max_receive_count=MAX_RECEIVE_COUNT),
+                dead_letter_queue=sqs.DeadLetterQueue(queue=dlq, max_receive_count=config.max_attempts),
             )
 
-    def grant(self, grantee: iam.IGrantable, actions: list[str], *, dlq: bool = False) -> None:
-        targets = list(self.queues.values()) + (list(self.dlqs.values()) if dlq else [])
-        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[q.queue_arn for q in targets])
+    def grant(self, grantee: iam.IGrantable, actions: list[str]) -> None:
+        """On the three priority queues."""
+        _grant(grantee, actions, self.queues.values())
+
+    def grant_dlqs(self, grantee: iam.IGrantable, actions: list[str]) -> None:
+        """On the three dead-letter queues."""
+        _grant(grantee, actions, self.dlqs.values())
 
     def env(self) -> dict[str, str]:
         """The environment the sluice settings read (explicit URLs win over names)."""
         return {f"SLUICE_QUEUE_URL_{p.upper()}": q.queue_url for p, q in self.queues.items()}
+
+
+def _grant(grantee: iam.IGrantable, actions: list[str], queues) -> None:
+    iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[q.queue_arn for q in queues])

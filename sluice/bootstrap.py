@@ -11,9 +11,6 @@ from sluice.aws import client
 from sluice.contract import Priority
 from sluice.settings import Settings
 
-MAX_RECEIVE_COUNT = 3
-
-
 def ensure_resources(settings: Settings) -> dict[str, str]:
     urls = ensure_queues(settings)
     ensure_tables(settings)
@@ -30,15 +27,22 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
             Attributes={"MessageRetentionPeriod": str(14 * 24 * 3600)},
         )["QueueUrl"]
         dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        url = sqs.create_queue(
-            QueueName=settings.queue_name(priority),
-            Attributes={
-                "VisibilityTimeout": str(settings.visibility_timeout_s),
-                "RedrivePolicy": json.dumps(
-                    {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(MAX_RECEIVE_COUNT)}
-                ),
-            },
-        )["QueueUrl"]
+        # A task's last attempt ends with its message released, and that
+        # message's next receive must move it to the DLQ: the queue's
+        # maxReceiveCount is max_attempts (as in the CDK stack).
+        attributes = {
+            "VisibilityTimeout": str(settings.visibility_timeout_s),
+            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_attempts)}),
+        }
+        name = settings.queue_name(priority)
+        try:
+            url = sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+        except ClientError as err:
+            if "QueueAlreadyExists" not in err.response["Error"]["Code"]:
+                raise
+            # Created before with other settings (a persistent on-prem LocalStack).
+            url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
+            sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
         urls[priority.value] = url
         urls[f"{priority.value}-dlq"] = dlq_url
     return urls

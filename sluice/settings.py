@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     max_wait_ms: int = 10
     priority_weights: str = Field(default="high=6,normal=3,low=1")
     visibility_timeout_s: int = 60
-    max_attempts: int = 3
+    max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
     receive_wait_s: int = 1
     device: str = Field(default="auto", description="auto | cpu | cuda")
     torch_threads: int = 0

@@ -49,6 +49,7 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"longest_batch_s": 120}, "SageMaker"),
         ({"dispatcher_max_concurrency": {"high": 1, "normal": 2, "low": 2}}, "dispatcher_max_concurrency"),
         ({"oldest_message_slo_s": {"high": 1}}, "oldest_message_slo_s"),
+        ({"max_attempts": 0}, "max_attempts"),
         ({"no_such_option": 1}, "unknown"),
     ],
 )
