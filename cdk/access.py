@@ -8,10 +8,12 @@ the adapters fails a test rather than a deployment.
 
 from __future__ import annotations
 
-# The API: create/read/cancel tasks, claim-check inputs, presign results,
-# enqueue, read queue depth; /ready describes the table and heads the bucket.
+# The API: create/read/cancel tasks (long polls read in batches), claim-check
+# inputs, presign results, enqueue, read queue depth; /ready describes the
+# table and heads the bucket.
 API_TASKS = [
     "dynamodb:GetItem",
+    "dynamodb:BatchGetItem",
     "dynamodb:PutItem",
     "dynamodb:BatchWriteItem",
     "dynamodb:UpdateItem",
@@ -31,6 +33,18 @@ WORKER_QUEUES = [
     "sqs:DeleteMessage",
     "sqs:ChangeMessageVisibility",
     "sqs:GetQueueAttributes",
+]
+
+# Settling dead-lettered tasks (sluice.dlq.settle_dead: each EKS worker, and the
+# SageMaker backend's scheduled settler): find each DLQ from its queue's
+# redrive policy, read its messages and the tasks', fail or requeue them.
+SETTLE_TASKS = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:UpdateItem"]
+SETTLE_QUEUES = ["sqs:GetQueueAttributes", "sqs:SendMessage"]
+SETTLE_DLQS = [
+    "sqs:GetQueueUrl",
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:ChangeMessageVisibility",
 ]
 
 # Batch calls are authorized as their single-message action.

@@ -92,6 +92,7 @@ def suppress(stack: Stack) -> None:
     # ---------------------------------------------------------- SageMaker
     _ack(stack, "Workers/Dispatcher/Role", object_reason, objects)
     _ack(stack, "Workers/Dispatcher/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
+    _ack(stack, "Workers/Settler/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(
         stack,
         "Workers/ExecutionRole",

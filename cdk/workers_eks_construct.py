@@ -112,8 +112,9 @@ class EksWorkers(Construct):
         # IRSA through the IAM-native OIDC provider (no custom resource).
         self.oidc = eks.OidcProviderNative(self, "Oidc", url=cluster.cluster_open_id_connect_issuer_url)
         self.worker_role = self._irsa_role("WorkerRole", NAMESPACE, WORKER)
-        queues.grant(self.worker_role, access.WORKER_QUEUES)
-        storage.grant_tasks(self.worker_role, access.WORKER_TASKS)
+        queues.grant(self.worker_role, sorted(set(access.WORKER_QUEUES + access.SETTLE_QUEUES)))
+        queues.grant_dlqs(self.worker_role, access.SETTLE_DLQS)
+        storage.grant_tasks(self.worker_role, sorted(set(access.WORKER_TASKS + access.SETTLE_TASKS)))
         storage.grant_objects(self.worker_role, access.WORKER_OBJECTS)
         service_account = {
             "apiVersion": "v1",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_ecr_assets as ecr_assets
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda_event_sources as sources
 from aws_cdk import aws_sagemaker as sagemaker
@@ -147,3 +149,31 @@ class SageMakerWorkers(Construct):
                 )
             )
 
+        # No worker process runs on this backend, so a scheduled function
+        # settles the tasks whose messages were dead-lettered without an
+        # outcome (a dispatcher timed out or died on each of their receives).
+        self.settler = PythonFunction(
+            self,
+            "Settler",
+            code=code,
+            handler="lambdas.settler.handler.handler",
+            description="Sluice settler: dead-lettered tasks without an outcome are failed or requeued",
+            timeout=Duration.seconds(60),
+            memory_mb=256,
+            environment={
+                "SLUICE_TASKS_TABLE": storage.tasks.table_name,
+                "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
+                "SLUICE_QUEUE_PREFIX": config.name_prefix,
+                **queues.env(),
+            },
+        )
+        settler = self.settler.function
+        storage.grant_tasks(settler, access.SETTLE_TASKS)
+        queues.grant(settler, access.SETTLE_QUEUES)
+        queues.grant_dlqs(settler, access.SETTLE_DLQS)
+        events.Rule(
+            self,
+            "SettleSchedule",
+            schedule=events.Schedule.rate(Duration.minutes(1)),
+            targets=[targets.LambdaFunction(settler, retry_attempts=0)],
+        )

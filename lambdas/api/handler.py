@@ -11,6 +11,8 @@ app = Mangum(create_app(), lifespan="off", api_gateway_base_path=None)
 
 
 @logger.inject_lambda_context(correlation_id_path="requestContext.requestId")
-@tracer.capture_lambda_handler
+# Responses hold results, client metadata and presigned result URLs: they stay
+# out of the traces, as the stage keeps bodies out of its logs.
+@tracer.capture_lambda_handler(capture_response=False)
 def handler(event, context):
     return app(event, context)

@@ -444,7 +444,10 @@ def test_each_principal_gets_exactly_its_data_actions(synth, backend):
     api = role_actions(raw, function_role(raw, "lambdas.api.handler.handler"))
     assert api == set(access.API_TASKS + access.API_OBJECTS + access.API_BUCKET + access.API_QUEUES)
     worker_data = set(access.WORKER_TASKS + access.WORKER_OBJECTS)
+    settling = set(access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
     if backend == "sagemaker":
+        settler = role_actions(raw, function_role(raw, "lambdas.settler.handler.handler"))
+        assert settler == settling
         dispatcher = role_actions(raw, function_role(raw, "lambdas.dispatcher.handler.handler"))
         # Plus what the SQS event source mapping needs to poll (granted by CDK).
         assert worker_data <= dispatcher
@@ -455,4 +458,28 @@ def test_each_principal_gets_exactly_its_data_actions(synth, backend):
     else:
         consumers = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
         (worker,) = consumers
-        assert role_actions(raw, worker) == worker_data | set(access.WORKER_QUEUES)
+        assert role_actions(raw, worker) == worker_data | set(access.WORKER_QUEUES) | settling
+
+
+def test_only_settling_reaches_the_dead_letter_queues(synth, backend):
+    """The DLQs' actions go to the DLQs alone, and only settlers get any."""
+    from cdk import access
+
+    raw = synth.raw[backend]
+    dlqs = {r for r, q in resources(raw, "AWS::SQS::Queue").items() if q["Properties"]["QueueName"].endswith("-dlq")}
+    on_dlqs: set[str] = set()
+    for _, statement in policy_statements(raw):
+        targets = refs(statement["Resource"])
+        if targets & dlqs:
+            assert targets <= dlqs, statement
+            on_dlqs |= set(as_list(statement["Action"]))
+    assert on_dlqs == set(access.SETTLE_DLQS)
+
+
+def test_the_sagemaker_backend_settles_on_a_schedule(synth):
+    raw = synth.raw["sagemaker"]
+    (rule,) = resources(raw, "AWS::Events::Rule").values()
+    assert rule["Properties"]["ScheduleExpression"] == "rate(1 minute)"
+    (target,) = rule["Properties"]["Targets"]
+    (fn,) = refs(target["Arn"])
+    assert resources(raw, "AWS::Lambda::Function")[fn]["Properties"]["Handler"] == "lambdas.settler.handler.handler"

@@ -8,6 +8,7 @@ server (tests/conftest.py) for DynamoDB, SQS and S3.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import time
@@ -228,11 +229,53 @@ def test_the_api_role_allows_every_call_the_handler_makes(handler, settings, mon
                                                           {"model": "synthetic", "inputs": ["b"], "priority": "low"}]}))
     assert status == 202
     call(handler, proxy_event("GET", f"/v1/tasks/{one['task_id']}", key_id=kid, resource="/v1/tasks/{task_id}"))
+    long_poll = proxy_event("GET", f"/v1/tasks/{one['task_id']}", key_id=kid, resource="/v1/tasks/{task_id}")
+    long_poll["queryStringParameters"] = {"wait_s": "0.2"}
+    long_poll["multiValueQueryStringParameters"] = {"wait_s": ["0.2"]}
+    status, polled = call(handler, long_poll)
+    assert status == 200 and polled["status"] == "queued", polled
     call(handler, proxy_event("DELETE", f"/v1/tasks/{one['task_id']}", key_id=kid, resource="/v1/tasks/{task_id}"))
     status, ready = call(handler, proxy_event("GET", "/ready", key_id=kid))
     assert status == 200, ready
 
     granted = set(access.API_TASKS + access.API_OBJECTS + access.API_BUCKET + access.API_QUEUES)
     used = {access.iam_action(service, op) for service, op in aws_calls}
-    assert {"dynamodb:PutItem", "dynamodb:BatchWriteItem", "sqs:SendMessage", "s3:PutObject"} <= used
+    assert {"dynamodb:PutItem", "dynamodb:BatchWriteItem", "dynamodb:BatchGetItem", "sqs:SendMessage",
+            "s3:PutObject"} <= used
     assert used <= granted, used - granted
+
+
+def test_responses_stay_out_of_the_traces(handler):
+    """Bodies hold results, client metadata and presigned URLs: as the stage keeps
+    them out of its logs, the handler's trace keeps them out of X-Ray."""
+    recorded: list[tuple[str, object]] = []
+
+    class Subsegment:
+        def put_metadata(self, key, value, namespace=None):
+            recorded.append((key, value))
+
+        def put_annotation(self, *args, **kwargs):
+            pass
+
+        def add_exception(self, *args, **kwargs):
+            pass
+
+    class Provider:
+        @contextlib.contextmanager
+        def in_subsegment(self, name=None, **kwargs):
+            yield Subsegment()
+
+        def put_annotation(self, *args, **kwargs):
+            pass
+
+    handler.tracer.provider, handler.tracer.disabled = Provider(), False
+    try:
+        status, accepted = call(handler, proxy_event("POST", "/v1/tasks", key_id="kid-trace", body={
+            "model": "synthetic", "inputs": ["private text"], "metadata": {"patient": "jane doe"}}))
+        assert status == 202
+        status, view = call(handler, proxy_event("GET", f"/v1/tasks/{accepted['task_id']}", key_id="kid-trace",
+                                                 resource="/v1/tasks/{task_id}"))
+    finally:
+        handler.tracer.disabled = True
+    assert status == 200 and view["metadata"] == {"patient": "jane doe"}
+    assert "jane doe" not in json.dumps(recorded, default=str)

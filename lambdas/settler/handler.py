@@ -1,0 +1,28 @@
+"""Dead-letter settler for the SageMaker backend, run on a schedule.
+
+On EKS every worker settles dead-lettered tasks in a thread (sluice.dlq); the
+SageMaker backend has no worker process, so this function does the same round:
+a task whose message was dead-lettered without an outcome is failed or requeued.
+"""
+
+from __future__ import annotations
+
+from aws_lambda_powertools import Logger
+
+from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import TaskStore
+from sluice.contract import Priority
+from sluice.dlq import settle_dead
+from sluice.settings import Settings
+
+logger = Logger(service="sluice-settler")
+settings = Settings()
+queues = PriorityQueues(settings)
+store = TaskStore(settings)
+
+
+@logger.inject_lambda_context
+def handler(event, context) -> dict[str, int]:
+    counts = settle_dead(queues, store, list(Priority), settings.max_attempts)
+    logger.info("dead-lettered tasks settled", extra=counts)
+    return counts

@@ -1,0 +1,75 @@
+"""The SageMaker backend's scheduled settler, with the environment the stack
+gives it, against the moto server (tests/conftest.py).
+
+Two tasks whose messages reached the dead-letter queue without an outcome: one
+that started max_attempts times is failed, one that never ran is requeued.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import boto3
+from botocore.client import BaseClient
+
+from cdk import access
+from sluice.adapters.task_store import Change, TaskStore
+from sluice.api.service import TaskService
+from sluice.contract import Priority, SubmitRequest, TaskStatus
+
+
+def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, monkeypatch):
+    sqs = boto3.client("sqs")
+    urls = {p: sqs.get_queue_url(QueueName=settings.queue_name(p))["QueueUrl"] for p in Priority}
+    env = {
+        "SLUICE_TASKS_TABLE": settings.tasks_table,
+        "SLUICE_MAX_ATTEMPTS": "3",
+        "SLUICE_QUEUE_PREFIX": settings.queue_prefix,
+        **{f"SLUICE_QUEUE_URL_{p.value.upper()}": url for p, url in urls.items()},
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    service = TaskService(settings)
+    crashed, never_ran = (service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[x]), None).task_id
+                          for x in ("crashed", "never ran"))
+    dlq = sqs.get_queue_url(QueueName=settings.queue_name(Priority.normal, dlq=True))["QueueUrl"]
+    moved = 0
+    while moved < 2:  # what the redrive policy does after the last receive
+        messages = sqs.receive_message(QueueUrl=urls[Priority.normal], MaxNumberOfMessages=10,
+                                       WaitTimeSeconds=1).get("Messages", [])
+        assert messages or moved, "the two submits left no message"
+        for m in messages:
+            sqs.send_message(QueueUrl=dlq, MessageBody=m["Body"])
+            sqs.delete_message(QueueUrl=urls[Priority.normal], ReceiptHandle=m["ReceiptHandle"])
+            moved += 1
+    store = TaskStore(settings)
+    # Its three starts' record: the first delivery's start is not written (sluice.lifecycle).
+    store.apply(Change(crashed, {"attempts": 2}, (TaskStatus.queued,)))
+
+    calls: set[tuple[str, str]] = set()
+    real = BaseClient._make_api_call
+
+    def recording(client, operation, params):
+        calls.add((client.meta.service_model.endpoint_prefix, operation))
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    import lambdas.settler.handler as module
+
+    module = importlib.reload(module)
+    counts = module.handler({"source": "aws.events"}, SimpleNamespace(
+        function_name="sluice-settler", memory_limit_in_mb=256, aws_request_id="req",
+        invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:sluice-settler"))
+
+    assert counts == {"failed": 1, "requeued": 1}
+    failed = store.get(crashed)
+    assert failed.status == TaskStatus.failed and failed.error_code == "dead_lettered"
+    requeued = sqs.receive_message(QueueUrl=urls[Priority.normal], MaxNumberOfMessages=10, WaitTimeSeconds=1)
+    assert [never_ran in m["Body"] for m in requeued.get("Messages", [])] == [True]
+
+    granted = set(access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
+    used = {access.iam_action(service, op) for service, op in calls}
+    assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "sqs:SendMessage", "sqs:ReceiveMessage"} <= used
+    assert used <= granted, used - granted
