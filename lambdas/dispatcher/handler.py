@@ -37,8 +37,9 @@ def dispatcher() -> Dispatcher:
         timeout = int(os.environ.get("SLUICE_INVOKE_TIMEOUT_S", "60"))
         runtime = boto3.session.Session().client(
             "sagemaker-runtime",
-            # No retry of a timed-out invocation here: SQS redelivery is the retry.
-            config=Config(read_timeout=timeout + 5, connect_timeout=5, retries={"mode": "standard", "max_attempts": 2}),
+            # One try: SQS redelivery is the retry. A second try of a timed-out
+            # invocation would outlast the function's own timeout.
+            config=Config(read_timeout=timeout + 5, connect_timeout=5, retries={"mode": "standard", "max_attempts": 1}),
         )
         _dispatcher = Dispatcher(
             Settings(),
