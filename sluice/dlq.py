@@ -1,11 +1,19 @@
 """Dead-letter queues: inspection, redrive, and settling tasks left without an outcome.
 
-A message reaches a DLQ after MAX_RECEIVE_COUNT receives. A task whose last
+A message reaches a DLQ after max_attempts receives (its maxReceiveCount). A task whose last
 attempt failed in the model is already `failed` when that happens. But every
 receive counts, including ones that ended without an outcome: a worker killed
 mid-batch, messages handed back on SIGTERM, a reply lost on the network. Such a
 task would stay `queued` for ever; `settle_dead` (run by every
 worker now and then, and by `sluice dlq settle`) gives it one.
+
+Messages of tasks that are already final stay in the DLQ for operators
+(`sluice dlq list` and `redrive`, the DLQ alarm), for its 14-day retention. So
+a settling round cannot stop at the first messages SQS hands it: moto returns
+them in insertion order and LocalStack by creation time, and AWS samples, so
+the same ones would come back every round and a task behind them would never
+be reached. A round keeps what it leaves in place hidden until it ends, so each
+receive reaches the messages behind, and shows them again when it is done.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 import os
 import random
 import threading
+import time
 
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
@@ -23,6 +32,12 @@ from sluice.contract import Priority, TaskStatus, now_ms
 log = logging.getLogger("sluice.dlq")
 
 _ACTIVE = (TaskStatus.queued,)
+
+# A settling round hides what it received for _HIDE_S and stops receiving once
+# half of that has passed, so it shows its kept messages again before they
+# would reappear on their own (and be received twice in one round).
+_HIDE_S = 30
+_SCAN = 1000  # messages a round looks at per priority, kept ones included
 
 
 def _receive_all(queues: PriorityQueues, url: str, limit: int, hide_s: int = 30) -> list[dict]:
@@ -53,14 +68,22 @@ def _show_again(queues: PriorityQueues, url: str, messages: list[dict]) -> None:
             {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": 0} for i, m in enumerate(chunk)])
 
 
-def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]) -> None:
+def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]) -> list[dict]:
     """Send first, then delete: a failure in between duplicates a message
-    rather than losing it (a worker runs a task only once)."""
+    rather than losing it (a worker runs a task only once). SendMessageBatch
+    reports an entry it did not store in `Failed` without raising: only the
+    stored ones are deleted. Returns the messages left in `source`, still
+    hidden: the caller shows them again."""
+    left: list[dict] = []
     for chunk in _batches(messages):
-        queues.sqs.send_message_batch(
+        response = queues.sqs.send_message_batch(
             QueueUrl=target, Entries=[{"Id": str(i), "MessageBody": m["Body"]} for i, m in enumerate(chunk)])
-        queues.sqs.delete_message_batch(
-            QueueUrl=source, Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk)])
+        stored = {int(e["Id"]) for e in response.get("Successful", [])}
+        left += [m for i, m in enumerate(chunk) if i not in stored]
+        if stored:
+            queues.sqs.delete_message_batch(QueueUrl=source, Entries=[
+                {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk) if i in stored])
+    return left
 
 
 def _task_id(body: str) -> str | None:
@@ -96,46 +119,70 @@ def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100
     for priority in priorities:
         dlq = queues.dlq_url(priority)
         messages = _receive_all(queues, dlq, limit - moved)
-        _move(queues, dlq, queues.url(priority), messages)
-        moved += len(messages)
+        left = _move(queues, dlq, queues.url(priority), messages)
+        _show_again(queues, dlq, left)
+        moved += len(messages) - len(left)
     return moved
 
 
 def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
-                limit: int = 100) -> dict[str, int]:
+                limit: int = 100, scan: int = _SCAN) -> dict[str, int]:
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue
-    with a fresh receive count. Messages of final tasks stay for operators."""
+    with a fresh receive count. Messages of final tasks stay for operators.
+
+    Per priority, a round settles up to `limit` messages and looks at up to
+    `scan` (those it keeps included): it receives until the queue yields
+    nothing new, `scan` is reached or half of `_HIDE_S` has passed, keeping
+    what it leaves in place hidden meanwhile, then shows those again."""
     counts = {"failed": 0, "requeued": 0}
     for priority in priorities:
         dlq = queues.dlq_url(priority)
-        messages = _receive_all(queues, dlq, limit)
-        if not messages:
-            continue
-        records = store.get_many({t for t in (_task_id(m["Body"]) for m in messages) if t})
-        keep, requeue = [], []
-        for m in messages:
-            record = records.get(_task_id(m["Body"]) or "")
-            if record is None or record.status.is_terminal:
-                keep.append(m)
-            elif record.attempts >= max_attempts - 1:
-                # A first delivery's start is not recorded (sluice.lifecycle), so
-                # max_attempts - 1 recorded starts mean max_attempts runs.
-                keep.append(m)
-                try:
-                    store.apply(Change(record.task_id, {
-                        "status": TaskStatus.failed.value, "finished_at": now_ms(), "error_code": "dead_lettered",
-                        "error_message": f"no outcome after {record.attempts} attempts: the worker running it "
-                                         "stopped each time; its message is in the dead-letter queue"}, _ACTIVE))
-                    counts["failed"] += 1
-                except TransitionRejected:
-                    pass  # it got an outcome meanwhile
-            else:
-                requeue.append(m)
-        _move(queues, dlq, queues.url(priority), requeue)
-        counts["requeued"] += len(requeue)
-        _show_again(queues, dlq, keep)
+        seen: set[str] = set()
+        keep: list[dict] = []
+        settled = 0
+        stop_at = time.monotonic() + _HIDE_S / 2
+        try:
+            while len(seen) < scan and time.monotonic() < stop_at:
+                want = min(100, scan - len(seen))
+                got = _receive_all(queues, dlq, want, _HIDE_S)
+                new = [m for m in got if m["MessageId"] not in seen]
+                keep += [m for m in got if m["MessageId"] in seen]  # its hide ran out: show it again too
+                if not new:
+                    break
+                seen.update(m["MessageId"] for m in new)
+                records = store.get_many({t for t in (_task_id(m["Body"]) for m in new) if t})
+                requeue = []
+                for m in new:
+                    record = records.get(_task_id(m["Body"]) or "")
+                    if record is None or record.status.is_terminal or settled >= limit:
+                        keep.append(m)
+                        continue
+                    settled += 1
+                    if record.attempts >= max_attempts - 1:
+                        # A first delivery's start is not recorded (sluice.lifecycle), so
+                        # max_attempts - 1 recorded starts mean max_attempts runs.
+                        keep.append(m)
+                        try:
+                            store.apply(Change(record.task_id, {
+                                "status": TaskStatus.failed.value, "finished_at": now_ms(),
+                                "error_code": "dead_lettered",
+                                "error_message": f"no outcome after {record.attempts} attempts: the worker running "
+                                                 "it stopped each time; its message is in the dead-letter queue"},
+                                _ACTIVE))
+                            counts["failed"] += 1
+                        except TransitionRejected:
+                            pass  # it got an outcome meanwhile
+                    else:
+                        requeue.append(m)
+                left = _move(queues, dlq, queues.url(priority), requeue)
+                keep += left
+                counts["requeued"] += len(requeue) - len(left)
+                if len(got) < want or settled >= limit:
+                    break  # the queue has nothing more to give, or the round has done its share
+        finally:
+            _show_again(queues, dlq, keep)
     return counts
 
 

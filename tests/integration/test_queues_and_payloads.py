@@ -3,10 +3,13 @@
 import json
 import urllib.request
 
+import pytest
+
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
-from sluice.contract import Priority, TaskMessage
-from sluice.dlq import list_dead, redrive
+from sluice.adapters.task_store import TaskStore
+from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
+from sluice.dlq import list_dead, redrive, settle_dead
 
 
 def message(task_id: str, priority=Priority.normal) -> TaskMessage:
@@ -46,6 +49,84 @@ def test_third_failed_receive_moves_a_message_to_the_dlq(settings):
     assert redrive(queues, [Priority.normal]) == 1
     [back] = drain(queues, Priority.normal, 1)
     assert back.task().task_id == "poison"
+
+
+def dead_letter(queues: PriorityQueues, store: TaskStore, task_ids: list[str], status=TaskStatus.queued,
+                attempts: int = 0) -> None:
+    """Tasks whose messages are in the normal DLQ, in the order given."""
+    for task_id in task_ids:
+        store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
+                                status=status, input_count=1, created_at=0, attempts=attempts))
+    for i in range(0, len(task_ids), 10):
+        queues.sqs.send_message_batch(QueueUrl=queues.dlq_url(Priority.normal), Entries=[
+            {"Id": str(j), "MessageBody": message(t).model_dump_json(exclude_none=True)}
+            for j, t in enumerate(task_ids[i:i + 10])])
+
+
+def depth(queues: PriorityQueues, url: str) -> tuple[int, int]:
+    """(visible, hidden) messages: exact on moto."""
+    a = queues.sqs.get_queue_attributes(
+        QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])
+    return int(a["Attributes"]["ApproximateNumberOfMessages"]), int(a["Attributes"]["ApproximateNumberOfMessagesNotVisible"])
+
+
+def test_settling_reaches_tasks_behind_more_than_a_hundred_kept_messages(settings):
+    """Messages of tasks that failed in the model stay in the DLQ for operators;
+    moto hands them out in insertion order, so a round that stopped after the
+    first hundred would never reach the tasks behind them."""
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dlq = queues.dlq_url(Priority.normal)
+    dead_letter(queues, store, [f"final{i}" for i in range(130)], status=TaskStatus.failed, attempts=2)
+    dead_letter(queues, store, ["handed-back"])  # never ran: requeued
+    dead_letter(queues, store, ["crashed"], attempts=settings.max_attempts - 1)  # ran each time: failed
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 1, "requeued": 1}
+    assert store.get("crashed").status is TaskStatus.failed and store.get("crashed").error_code == "dead_lettered"
+    assert [m.task().task_id for m in drain(queues, Priority.normal, 1)] == ["handed-back"]
+    # What it kept is all there and visible again, for `sluice dlq` and the DLQ alarm.
+    assert depth(queues, dlq) == (131, 0)
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 0}
+    assert depth(queues, dlq) == (131, 0)
+    # A round is bounded: one that may look at 50 messages reaches none behind them.
+    dead_letter(queues, store, ["late"])
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts, scan=50) == {"failed": 0, "requeued": 0}
+    assert depth(queues, dlq) == (132, 0)
+
+
+class FailsToStore:
+    """Test seam over the real client: SendMessageBatch stores every entry but
+    those of `task_id` on moto, and reports that one in `Failed`, as SQS does
+    for an entry it could not store (HTTP 200, nothing raised)."""
+
+    def __init__(self, sqs, task_id: str):
+        self.sqs, self.task_id = sqs, task_id
+
+    def __getattr__(self, name):
+        return getattr(self.sqs, name)
+
+    def send_message_batch(self, QueueUrl, Entries):
+        refused = [e for e in Entries if json.loads(e["MessageBody"])["task_id"] == self.task_id]
+        sent = [e for e in Entries if e not in refused]
+        response = self.sqs.send_message_batch(QueueUrl=QueueUrl, Entries=sent) if sent else {}
+        return {"Successful": response.get("Successful", []), "Failed": response.get("Failed", []) + [
+            {"Id": e["Id"], "SenderFault": False, "Code": "InternalError", "Message": "not stored"} for e in refused]}
+
+
+@pytest.mark.parametrize("move", ["settle", "redrive"])
+def test_a_dead_letter_sqs_did_not_store_elsewhere_stays_in_the_dlq(settings, move):
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dlq = queues.dlq_url(Priority.normal)
+    dead_letter(queues, store, ["a", "b", "c"])
+    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, "b")
+    if move == "settle":
+        assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 2}
+    else:
+        assert redrive(queues, [Priority.normal]) == 2
+    assert depth(queues, dlq) == (1, 0)  # b's message, visible again
+    assert [json.loads(d["body"])["task_id"] for d in list_dead(queues, [Priority.normal])] == ["b"]
+    queues.sqs = real  # the next round moves it
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 1}
+    assert depth(queues, dlq) == (0, 0)
+    assert sorted(m.task().task_id for m in drain(queues, Priority.normal, 3)) == ["a", "b", "c"]
 
 
 def test_payloads_round_trip_and_presigned_url_serves_the_object(settings):
