@@ -15,8 +15,10 @@ class PayloadStore:
         self.s3 = client("s3", settings)
 
     @staticmethod
-    def inputs_key(tenant_id: str, task_id: str) -> str:
-        return f"inputs/{tenant_id}/{task_id}.json"
+    def inputs_key(tenant_id: str, task_id: str, request_hash: str) -> str:
+        # Named by the request too: a request that reuses an Idempotency-Key
+        # with another body (answered 409) must not overwrite the first's inputs.
+        return f"inputs/{tenant_id}/{task_id}-{request_hash[:16]}.json"
 
     @staticmethod
     def result_key(tenant_id: str, task_id: str) -> str:

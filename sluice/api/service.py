@@ -60,7 +60,12 @@ def idempotent_task_id(tenant_id: str, key: str) -> str:
     return uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{tenant_id}\x00{key}").hex
 
 
-def request_hash(request: SubmitRequest) -> str:
+def batch_task_id(tenant_id: str, key: str, index: int) -> str:
+    """Apart from single submits' ids: a single submit's key can never name a batch's task."""
+    return uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{tenant_id}\x00batch\x00{key}\x00{index}").hex
+
+
+def request_hash(request: SubmitRequest | BatchSubmitRequest) -> str:
     canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -167,7 +172,10 @@ class TaskService:
         return depth
 
     # -------------------------------------------------------------- submit
-    def _build(self, tenant_id: str, request: SubmitRequest, task_id: str) -> tuple[TaskRecord, TaskMessage]:
+    def _build(
+        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None = None
+    ) -> tuple[TaskRecord, TaskMessage]:
+        """`fingerprint`: what a replay must match (default: the request's hash)."""
         created = now_ms()
         deadline_at = created + request.deadline_s * 1000 if request.deadline_s else None
         record = TaskRecord(
@@ -178,7 +186,7 @@ class TaskService:
             priority=request.priority,
             status=TaskStatus.queued,
             input_count=len(request.inputs),
-            request_hash=request_hash(request),
+            request_hash=fingerprint or request_hash(request),
             created_at=created,
             deadline_at=deadline_at,
             metadata=request.metadata,
@@ -196,11 +204,11 @@ class TaskService:
         )
         return record, message
 
-    def _claim_check(self, message: TaskMessage) -> None:
+    def _claim_check(self, record: TaskRecord, message: TaskMessage) -> None:
         """Large inputs go to S3; the message carries only their key."""
         body = json.dumps(message.inputs).encode()
         if len(body) > self.settings.inline_payload_max_bytes:
-            key = self.payloads.inputs_key(message.tenant_id, message.task_id)
+            key = self.payloads.inputs_key(message.tenant_id, message.task_id, record.request_hash)
             self.payloads.put_json(key, body)
             message.inputs, message.inputs_key = None, key
 
@@ -212,19 +220,24 @@ class TaskService:
             # can share a write with other submits (sluice.api.group_commit).
             record, message = self._build(tenant_id, request, new_task_id())
             try:
-                self._claim_check(message)
+                self._claim_check(record, message)
             except (BotoCoreError, ClientError):
                 raise unavailable("the payload store") from None
             self.group_commit.submit((record, message))
             return self._accepted(record, depth)
-        task_id = idempotent_task_id(tenant_id, idempotency_key)
-        record, message = self._build(tenant_id, request, task_id)
+        return self._submit_once(tenant_id, request, idempotent_task_id(tenant_id, idempotency_key), None, depth)
+
+    def _submit_once(
+        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None, depth: int
+    ) -> TaskAccepted:
+        """The submit of an Idempotency-Key: created once, replayed after."""
+        record, message = self._build(tenant_id, request, task_id, fingerprint)
         token = secrets.token_hex(8)
         # Twice at most: a retry may find the record of a first try that its
         # compensation deletes right then; the second round creates it afresh.
         for _ in range(2):
             try:
-                self._claim_check(message)
+                self._claim_check(record, message)
                 self.store.create(record, token)
             except TaskExists as exists:
                 accepted = self._replay(exists.existing, record, message, token, depth)
@@ -314,18 +327,23 @@ class TaskService:
             self._check_model(request, field=f"tasks.{i}.model")
         depths = {p: self._check_backlog(p) for p in {r.priority for r in batch.tasks}}
         if idempotency_key:
-            # Each task's own key, so a retried batch resumes exactly where it stopped.
+            # Each task is created once under its own id, so a retried batch
+            # resumes exactly where it stopped. Each must match the whole batch,
+            # so a key reused for another batch is refused at its first task,
+            # before anything is written.
+            whole = request_hash(batch)
             return BatchAccepted(
                 tasks=[
-                    self.submit(tenant_id, request, f"{idempotency_key}#{i}")
+                    self._submit_once(tenant_id, request, batch_task_id(tenant_id, idempotency_key, i),
+                                      f"{whole}#{i}", depths[request.priority])
                     for i, request in enumerate(batch.tasks)
                 ]
             )
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
         token = secrets.token_hex(8)
         try:
-            for _, m in built:
-                self._claim_check(m)
+            for r, m in built:
+                self._claim_check(r, m)
         except (BotoCoreError, ClientError):
             raise unavailable("the payload store") from None
         errors = self._write_fresh(built, token)

@@ -3,6 +3,7 @@
 import pytest
 
 from sluice.adapters.api_keys import ApiKeys
+from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.aws import client as aws_client
@@ -116,6 +117,41 @@ def test_idempotency_key_returns_the_same_task_and_rejects_a_different_body(api,
     assert other_tenant.json()["task_id"] != first.json()["task_id"]
     clash = submit(api, api.key_a, {"model": "synthetic", "inputs": ["different"]}, **{"Idempotency-Key": "order-42"})
     assert clash.status_code == 409
+
+
+def test_a_refused_reuse_of_an_idempotency_key_leaves_the_first_tasks_inputs_alone(api, settings):
+    # Over the inline limit, so both bodies' inputs go to the bucket.
+    first_inputs, other_inputs = ["A" * 8000] * 10, ["B" * 8000] * 10
+    first = submit(api, api.key_a, {"model": "synthetic", "inputs": first_inputs}, **{"Idempotency-Key": "big-1"})
+    assert first.status_code == 202
+    clash = submit(api, api.key_a, {"model": "synthetic", "inputs": other_inputs}, **{"Idempotency-Key": "big-1"})
+    assert clash.status_code == 409
+    (message,) = PriorityQueues(settings).receive(Priority.normal, 10, 1, 30)
+    task = message.task()
+    assert task.task_id == first.json()["task_id"] and task.inputs_key
+    assert PayloadStore(settings).get_json(task.inputs_key) == first_inputs
+
+
+def test_a_batch_idempotency_key_replays_its_batch_and_refuses_another_before_writing(api, settings):
+    def batch(*inputs, key="batch-7"):
+        tasks = [{"model": "synthetic", "inputs": [x]} for x in inputs]
+        return api.post("/v1/tasks/batch", json={"tasks": tasks}, headers={"x-api-key": api.key_a, "Idempotency-Key": key})
+
+    first = batch("a", "b")
+    assert first.status_code == 202
+    ids = [t["task_id"] for t in first.json()["tasks"]]
+    assert [t["task_id"] for t in batch("a", "b").json()["tasks"]] == ids
+    for changed in (("a", "b", "c"), ("a", "x"), ("a",)):
+        response = batch(*changed)
+        assert response.status_code == 409, changed
+        assert response.json()["error"]["details"][0]["field"] == "Idempotency-Key"
+    ddb = aws_client("dynamodb", settings)
+    assert ddb.scan(TableName=settings.tasks_table, Select="COUNT")["Count"] == 2
+    # A single submit's key never names a batch's task.
+    single = submit(api, api.key_a, **{"Idempotency-Key": "batch-8#0"})
+    other = batch("y", "z", key="batch-8")
+    assert single.status_code == other.status_code == 202
+    assert single.json()["task_id"] not in {t["task_id"] for t in other.json()["tasks"]}
 
 
 def test_batch_submit_records_every_task(api, settings):
