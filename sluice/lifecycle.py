@@ -19,14 +19,21 @@ never overwritten and a cancel that lands during inference wins (the result is
 dropped). Results go inline when small and through S3 when large. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
-next receive then moves it to the dead-letter queue.
+next receive then moves it to the dead-letter queue. A permanent failure (an
+inputs object that does not exist or is not a JSON list of strings) is marked
+`failed` at once: no other attempt could read it.
+
+Inputs: read per task after claiming (load_inputs), so one unreadable inputs
+object is an outcome of its own task, never a failure of its batch.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
 from pydantic_core import to_json
 
 from sluice.adapters.payload_store import PayloadStore
@@ -60,6 +67,8 @@ class Outcome:
     inference_ms: int = 0
     batch_size: int = 0
     model_version: str | None = None
+    error_code: str = "model_error"
+    permanent: bool = False  # no other attempt can succeed: failed now, whatever attempts remain
 
 
 @dataclass
@@ -95,6 +104,55 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
         status = statuses.get(job.message.task_id)
         (result.gone if status is None or status.is_terminal else result.runnable).append(job)
     return result
+
+
+INPUT_UNAVAILABLE = "input_unavailable"
+_MISSING = {"NoSuchKey", "NotFound", "404"}
+
+
+def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tuple[list[Job], list[Outcome]]:
+    """Give each job its inputs: inline in its message, or the S3 object its
+    message names (claim check), each read on its own. Returns the jobs to run
+    and an error outcome (`input_unavailable`, naming the key) for each job
+    whose object could not be read; the rest of the batch runs all the same.
+    A missing object, or one that is not a JSON list of strings, fails its task
+    at once; any other error (throttling, a 5xx, a timeout, a reset connection)
+    is a failed attempt, retried like a model error."""
+
+    def load(job: Job) -> Outcome | None:
+        key = job.message.inputs_key
+        try:
+            inputs = payloads.get_json(key)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            code = error.get("Code") or "ClientError"
+            if code in _MISSING:
+                return _unreadable(job, f"inputs object {key!r} does not exist ({code})", permanent=True)
+            return _unreadable(job, f"inputs object {key!r} could not be read: {code}: {error.get('Message', '')}")
+        except BotoCoreError as exc:
+            return _unreadable(job, f"inputs object {key!r} could not be read: {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # not JSON, not UTF-8
+            return _unreadable(job, f"inputs object {key!r} is not JSON: {exc}", permanent=True)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this task's attempt only
+            return _unreadable(job, f"inputs object {key!r} could not be read: {type(exc).__name__}: {exc}")
+        if not isinstance(inputs, list) or not all(isinstance(text, str) for text in inputs):
+            return _unreadable(job, f"inputs object {key!r} is not a JSON list of strings", permanent=True)
+        job.inputs = inputs
+        return None
+
+    fetch: list[Job] = []
+    for job in jobs:
+        if job.message.inputs is not None:
+            job.inputs = job.message.inputs
+        else:
+            fetch.append(job)
+    errors = [o for o in pool.map(load, fetch) if o is not None]
+    failed = {id(o.job) for o in errors}
+    return [job for job in jobs if id(job) not in failed], errors
+
+
+def _unreadable(job: Job, reason: str, permanent: bool = False) -> Outcome:
+    return Outcome(job, error=reason, error_code=INPUT_UNAVAILABLE, permanent=permanent)
 
 
 @dataclass
@@ -134,8 +192,8 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
             plan.changes.append(Change(task_id, values, _QUEUED, remove=("error_code", "error_message")))
             plan.succeeded.append(o)
             continue
-        values = {"error_code": "model_error", "error_message": o.error[:_ERROR_CHARS], **started}
-        if o.job.attempts >= settings.max_attempts:
+        values = {"error_code": o.error_code, "error_message": o.error[:_ERROR_CHARS], **started}
+        if o.permanent or o.job.attempts >= settings.max_attempts:
             values.update(status=TaskStatus.failed.value, finished_at=now)
             plan.failed.append(o)
         else:

@@ -3,7 +3,7 @@
 A batch passes three stages, each on its own thread, so that the table and
 queue calls of one batch overlap the model's forward pass of the next:
 
-    prepare (one BatchGetItem checking the batch's tasks, inputs from S3)
+    prepare (one BatchGetItem checking the batch's tasks, inputs from S3 per task)
       -> infer (the model, on the main thread)
       -> finish (S3 for large results, a conditional update per outcome, DeleteMessageBatch)
 """
@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,7 +25,7 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import Job, Outcome, claim, plan_outcomes
+from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
@@ -36,6 +36,8 @@ log = logging.getLogger("sluice.worker")
 class Prepared:
     jobs: list[Job]
     ack: list[Received]  # messages to delete whatever happens to the batch
+    # Outcomes settled before inference: tasks whose inputs could not be read.
+    unreadable: list[Outcome] = field(default_factory=list)
 
 
 class BatchRunner:
@@ -65,19 +67,10 @@ class BatchRunner:
                 jobs[message.task_id] = Job(message, [received])
 
         claimed = claim(self.store, list(jobs.values()), now_ms())
-        runnable = claimed.runnable
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
-        self._load_inputs(runnable)
-        return Prepared(runnable, ack)
-
-    def _load_inputs(self, jobs: list[Job]) -> None:
-        def load(job: Job) -> None:
-            if job.message.inputs is not None:
-                job.inputs = job.message.inputs
-            else:
-                job.inputs = self.payloads.get_json(job.message.inputs_key)
-
-        list(self.io.map(load, jobs))
+        # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
+        runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
+        return Prepared(runnable, ack, unreadable)
 
     # --------------------------------------------------------------- infer
     def infer(self, jobs: list[Job]) -> list[Outcome]:
@@ -129,6 +122,7 @@ class BatchRunner:
 
     # -------------------------------------------------------------- finish
     def finish(self, prepared: Prepared, outcomes: list[Outcome]) -> None:
+        outcomes = prepared.unreadable + outcomes
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
         list(self.io.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
@@ -138,6 +132,9 @@ class BatchRunner:
         rejected = self.store.apply_many(plan.changes) if plan.changes else set()
         settled = plan.succeeded + [o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
+        # A permanent failure is final before its last attempt: no delivery can change it.
+        settled += [o for o in failed if o.permanent]
+        failed = [o for o in failed if not o.permanent]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
         if done:

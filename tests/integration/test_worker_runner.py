@@ -3,6 +3,7 @@
 import json
 import urllib.request
 
+from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority
@@ -139,6 +140,87 @@ def test_large_inputs_and_results_travel_through_s3(api, settings, runner):
     with urllib.request.urlopen(view["result_url"], timeout=5) as response:
         result = json.loads(response.read())
     assert [o["length"] for o in result["outputs"]] == [len(t) for t in texts]
+
+
+def submit_through_s3(api, settings, texts):
+    """Tasks whose inputs are over the inline limit: their messages name an S3 object."""
+    settings.inline_payload_max_bytes = 16  # the API and the runner share this settings object
+    return [api.post("/v1/tasks", json={"model": "synthetic", "inputs": [text * 8]},
+                     headers={"x-api-key": api.key_a}).json()["task_id"] for text in texts]
+
+
+def inputs_keys(batch):
+    return {json.loads(m.body)["task_id"]: json.loads(m.body)["inputs_key"] for m in batch}
+
+
+def test_a_missing_inputs_object_fails_only_its_own_task(api, settings, runner):
+    good = submit_through_s3(api, settings, [f"healthy {i} " for i in range(4)])
+    [bad] = submit_through_s3(api, settings, ["gone "])
+    batch = receive_all(settings, 5)
+    keys = inputs_keys(batch)
+    assert set(keys) == {*good, bad} and all(keys.values())
+    PayloadStore(settings).delete(keys[bad])  # expired by the bucket's lifecycle rule, say
+    prepared = run_once(runner, batch)
+    assert {j.message.task_id for j in prepared.jobs} == set(good)
+    store = TaskStore(settings)
+    for task_id in good:  # ran in this very pass, not after the bad one's retries
+        record = store.get(task_id)
+        assert (record.status.value, record.attempts) == ("succeeded", 1)
+    failed = store.get(bad)
+    assert failed.status.value == "failed" and failed.error_code == "input_unavailable"
+    assert keys[bad] in failed.error_message and "NoSuchKey" in failed.error_message
+    view = api.get(f"/v1/tasks/{bad}", headers={"x-api-key": api.key_a}).json()
+    assert view["status"] == "failed" and view["error"]["code"] == "input_unavailable"
+    assert receive_all(settings, 1) == []  # final: every message deleted, none left to redeliver
+
+
+def test_an_inputs_object_that_cannot_be_read_now_is_retried_alone(api, settings, runner):
+    import boto3
+    from botocore.awsrequest import AWSResponse
+    from botocore.config import Config
+
+    from sluice.aws import client_config
+
+    good = submit_through_s3(api, settings, [f"healthy {i} " for i in range(3)])
+    [flaky] = submit_through_s3(api, settings, ["flaky "])
+    batch = receive_all(settings, 4)
+    key = inputs_keys(batch)[flaky]
+    # S3 throttles this one object: every read of it is answered 503 SlowDown.
+    # This runner's own client, so no other test sees the hook; no SDK retries, so no SDK backoff either.
+    once = client_config(settings).merge(Config(retries={"mode": "standard", "max_attempts": 1}))
+    runner.payloads.s3 = boto3.session.Session().client("s3", config=once)
+    throttled = []
+
+    def slow_down(request, **_):
+        if request.url.split("?")[0].endswith(f"/{flaky}.json"):
+            throttled.append(request.url)
+            body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            return AWSResponse(request.url, 503, {}, _Raw(body))
+        return None
+
+    runner.payloads.s3.meta.events.register_first("before-send.s3.GetObject", slow_down)
+    run_once(runner, batch)
+    queues = PriorityQueues(settings)
+    # Neither deleted nor visible at once: it is held for its retry backoff (2 s), then comes back.
+    assert queues.receive(Priority.normal, 10, 0, 30) == []
+    assert throttled, "the throttled object was never read"
+    store = TaskStore(settings)
+    assert all(store.get(t).status.value == "succeeded" for t in good)
+    record = store.get(flaky)
+    assert record.status.value == "queued" and record.error_code == "input_unavailable"
+    assert key in record.error_message and "SlowDown" in record.error_message
+    [again] = queues.receive(Priority.normal, 10, 10, 30)
+    assert json.loads(again.body)["task_id"] == flaky and again.receive_count == 2
+
+
+class _Raw:
+    """The raw body of a canned HTTP answer, as botocore reads it."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def stream(self, **_):
+        yield self.body
 
 
 def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner):
