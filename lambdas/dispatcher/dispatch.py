@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import TaskMessage, now_ms
-from sluice.lifecycle import Job, Outcome, claim, plan_outcomes
+from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
@@ -79,9 +79,9 @@ class Dispatcher:
         deliver again; every other message is finished and may be deleted."""
         retry: dict[str, str] = {}
         jobs = self._parse(deliveries)
-        runnable = self._claim(jobs, retry)
-        runnable = self._load_inputs(runnable, retry)
-        outcomes = self._infer(runnable)
+        # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
+        runnable, unreadable = load_inputs(self.payloads, self._claim(jobs, retry), self.pool)
+        outcomes = unreadable + self._infer(runnable)
         self._record(outcomes, retry)
         return retry
 
@@ -107,21 +107,6 @@ class Dispatcher:
         # Expired and gone (rolled back, duplicate, cancelled) tasks are simply
         # acknowledged.
         return claim(self.store, list(jobs.values()), now_ms()).runnable
-
-    def _load_inputs(self, jobs: list[Job], retry: dict[str, str]) -> list[Job]:
-        def load(job: Job) -> bool:
-            if job.message.inputs is not None:
-                job.inputs = job.message.inputs
-                return True
-            try:
-                job.inputs = self.payloads.get_json(job.message.inputs_key)
-                return True
-            except (BotoCoreError, ClientError) as exc:
-                self._retry(retry, job, f"inputs not readable: {type(exc).__name__}")
-                return False
-
-        loaded = list(self.pool.map(load, jobs))
-        return [job for job, ok in zip(jobs, loaded) if ok]
 
     # ------------------------------------------------------------ infer
     def _infer(self, jobs: list[Job]) -> list[Outcome]:
@@ -203,8 +188,9 @@ class Dispatcher:
         rejected = self.store.apply_many(plan.changes) if plan.changes else set()
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
+        # A permanent failure (its inputs cannot be read) is final at once: acknowledged.
         for o in plan.retry + plan.failed:
-            if o.job.message.task_id not in rejected:
+            if o.job.message.task_id not in rejected and not o.permanent:
                 self._retry(retry, o.job, o.error)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)

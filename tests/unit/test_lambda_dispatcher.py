@@ -249,6 +249,22 @@ def test_large_inputs_and_results_go_through_the_bucket(dispatch, settings, monk
     assert [o["length"] for o in stored["outputs"]] == [100, 100]
 
 
+def test_a_missing_inputs_object_fails_its_task_alone_and_is_acknowledged(dispatch, settings):
+    small_inline = settings.model_copy(update={"inline_payload_max_bytes": 16})
+    good, lost = submit(settings, {"model": "synthetic", "inputs": ["a" * 100]},
+                        {"model": "synthetic", "inputs": ["b" * 100]}, service_settings=small_inline)
+    event = sqs_event(settings, 2)
+    key = next(json.loads(r["body"])["inputs_key"] for r in event["Records"] if lost in r["body"])
+    boto3.client("s3").delete_object(Bucket=settings.bucket, Key=key)
+    # No other delivery could read it: failed now, its message not handed back.
+    assert dispatch(event) == {"batchItemFailures": []}
+    store = TaskStore(settings)
+    assert store.get(good).status == TaskStatus.succeeded
+    record = store.get(lost)
+    assert record.status == TaskStatus.failed and record.error_code == "input_unavailable"
+    assert key in record.error_message and "NoSuchKey" in record.error_message
+
+
 def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, settings, monkeypatch):
     monkeypatch.setenv("SLUICE_SAGEMAKER_ENDPOINT", "an-endpoint-that-is-down")
     dispatch.module._dispatcher = None
