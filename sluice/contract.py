@@ -188,6 +188,11 @@ class ErrorResponse(BaseModel):
 class TaskMessage(_Strict):
     """The SQS message body. Inputs travel inline, or by reference when large."""
 
+    # Read by workers of other releases while a deploy rolls: one that does not
+    # know a field added later runs the task all the same (a message it
+    # dropped would leave its task queued for ever).
+    model_config = ConfigDict(extra="ignore", use_enum_values=False)
+
     v: int = SCHEMA_VERSION
     task_id: str
     tenant_id: str

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -55,6 +57,14 @@ def test_queue_message_round_trips_through_json():
     message = TaskMessage(task_id="a" * 32, tenant_id="t", model="m", priority=Priority.low,
                           input_count=2, inputs=["x", "y"], enqueued_at=1)
     assert TaskMessage.model_validate_json(message.model_dump_json()) == message
+
+
+def test_a_queue_message_from_a_later_release_is_still_read():
+    # A worker not yet upgraded must run, not drop, a task whose message has a new field.
+    body = TaskMessage(task_id="a" * 32, tenant_id="t", model="m", priority=Priority.low,
+                       input_count=1, inputs=["x"], enqueued_at=1).model_dump(mode="json")
+    later = json.dumps({**body, "trace_context": "a field added later"})
+    assert TaskMessage.model_validate_json(later).task_id == "a" * 32
 
 
 def test_record_view_derives_queue_time_and_error():
