@@ -52,9 +52,19 @@ def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            return r.status, _json(r.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+        return err.code, _json(err.read())
+    except urllib.error.URLError as err:
+        raise SystemExit(f"sluice: cannot reach {url}: {err.reason}") from None
+
+
+def _json(raw: bytes) -> dict:
+    """An answer that is not the API's JSON (a proxy's or gateway's page) is shown as it came."""
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:
+        return {"error": {"code": "not_json", "message": raw.decode("utf-8", "replace")[:2000]}}
 
 
 def _print(status: int, payload: dict) -> int:
@@ -64,7 +74,7 @@ def _print(status: int, payload: dict) -> int:
 
 def cmd_submit(args) -> int:
     body = {"model": args.model, "inputs": args.inputs, "priority": args.priority}
-    if args.deadline:
+    if args.deadline is not None:  # 0 too: the API says why it is refused
         body["deadline_s"] = args.deadline
     status, payload = _http("POST", "/v1/tasks", body, args)
     if status >= 400 or not args.wait:

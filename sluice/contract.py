@@ -94,8 +94,11 @@ class SubmitRequest(_Strict):
         description="Texts to run through the model; results come back in the same order.",
     )
     priority: Priority = Priority.normal
+    # Strict: "10" or true is refused here as API Gateway's model (the same
+    # schema) refuses it on AWS, so both deployments answer alike.
     deadline_s: int | None = Field(
         default=None,
+        strict=True,
         ge=1,
         le=MAX_DEADLINE_S,
         description="Seconds from now after which the task is no longer worth running.",

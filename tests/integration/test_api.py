@@ -80,6 +80,8 @@ def test_another_tenants_task_is_not_found(api):
         ({"model": "synthetic", "inputs": ["x"] * 65}, 422, "inputs"),
         ({"model": "synthetic", "inputs": ["x"], "priority": "urgent"}, 422, "priority"),
         ({"inputs": ["x"]}, 422, "model"),
+        ({"model": "synthetic", "inputs": ["x"], "deadline_s": "10"}, 422, "deadline_s"),
+        ({"model": "synthetic", "inputs": ["x"], "deadline_s": True}, 422, "deadline_s"),
     ],
 )
 def test_invalid_requests_name_the_field_and_leave_nothing_behind(api, settings, body, status, field):
@@ -95,7 +97,10 @@ def test_malformed_json_is_400(api, settings):
     response = api.post("/v1/tasks", content=b'{"model": "synthetic", "inputs": [',
                         headers={"x-api-key": api.key_a, "content-type": "application/json"})
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "malformed_json"
+    error = response.json()["error"]
+    assert error["code"] == "malformed_json"
+    # Where the body broke is said in the rule; the field is the body.
+    assert [d["field"] for d in error["details"]] == ["body"] and "at character" in error["details"][0]["rule"]
     assert nothing_recorded(settings)
 
 
