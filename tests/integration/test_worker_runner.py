@@ -133,7 +133,7 @@ def test_large_inputs_and_results_travel_through_s3(api, settings, runner):
                        headers={"x-api-key": api.key_a}).json()["task_id"]
     [message] = receive_all(settings, 1)
     body = json.loads(message.body)
-    assert body.get("inputs") is None and body["inputs_key"].endswith(f"{task_id}.json")
+    assert body.get("inputs") is None and body["inputs_key"].startswith("inputs/") and task_id in body["inputs_key"]
     run_once(runner, [message])
     view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()
     assert view["status"] == "succeeded" and view["result"] is None
@@ -192,7 +192,7 @@ def test_an_inputs_object_that_cannot_be_read_now_is_retried_alone(api, settings
     throttled = []
 
     def slow_down(request, **_):
-        if request.url.split("?")[0].endswith(f"/{flaky}.json"):
+        if request.url.split("?")[0].endswith(f"/{key}"):
             throttled.append(request.url)
             body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
             return AWSResponse(request.url, 503, {}, _Raw(body))

@@ -236,7 +236,9 @@ def test_large_inputs_travel_through_the_object_store(stack, api):
     assert accepted.status_code == 202, accepted.text
     task_id = accepted.json()["task_id"]
     # The claim check sits in SeaweedFS, where the API put it ...
-    stored = stack.client("s3").get_object(Bucket="sluice-payloads", Key=f"inputs/{TENANT}/{task_id}.json")
+    s3 = stack.client("s3")
+    (key,) = [o["Key"] for o in s3.list_objects_v2(Bucket="sluice-payloads", Prefix=f"inputs/{TENANT}/{task_id}")["Contents"]]
+    stored = s3.get_object(Bucket="sluice-payloads", Key=key)
     assert json.loads(stored["Body"].read()) == texts
     view = wait_task(stack, api, task_id)
     assert view["status"] == "succeeded", view
