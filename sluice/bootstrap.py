@@ -38,7 +38,8 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
         try:
             url = sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
         except ClientError as err:
-            if "QueueAlreadyExists" not in err.response["Error"]["Code"]:
+            # AWS and moto say QueueAlreadyExists, LocalStack QueueNameExists.
+            if err.response["Error"]["Code"] not in ("QueueAlreadyExists", "QueueNameExists"):
                 raise
             # Created before with other settings (a persistent on-prem LocalStack).
             url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
