@@ -88,7 +88,16 @@ class Observability(Construct):
             backlog.append(queue.metric_approximate_number_of_messages_visible(period=MINUTE, statistic="Maximum", label=p))
             oldest = queue.metric_approximate_age_of_oldest_message(period=MINUTE, statistic="Maximum", label=p)
             age.append(oldest)
-            depth = dlq.metric_approximate_number_of_messages_visible(period=MINUTE, statistic="Maximum", label=f"{p} DLQ")
+            # Visible and hidden: a settling round hides the DLQ's messages while it reads past them.
+            depth = cw.MathExpression(
+                expression=f"visible_{p} + hidden_{p}",  # ids unique across the dashboard's graph
+                using_metrics={
+                    f"visible_{p}": dlq.metric_approximate_number_of_messages_visible(period=MINUTE, statistic="Maximum"),
+                    f"hidden_{p}": dlq.metric_approximate_number_of_messages_not_visible(period=MINUTE, statistic="Maximum"),
+                },
+                period=MINUTE,
+                label=f"{p} DLQ",
+            )
             dlq_depth.append(depth)
             alarm(f"Dlq{p.title()}NotEmpty", depth, 0, f"The {p} dead-letter queue holds messages: inspect with `sluice dlq`.")
             slo = config.oldest_message_slo_s[p]

@@ -38,6 +38,7 @@ _ACTIVE = (TaskStatus.queued,)
 # would reappear on their own (and be received twice in one round).
 _HIDE_S = 30
 _SCAN = 1000  # messages a round looks at per priority, kept ones included
+_KNOWN_FINAL_MAX = 100_000  # task ids a settling process remembers as final
 
 
 def _receive_all(queues: PriorityQueues, url: str, limit: int, hide_s: int = 30) -> list[dict]:
@@ -126,7 +127,7 @@ def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100
 
 
 def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
-                limit: int = 100, scan: int = _SCAN) -> dict[str, int]:
+                limit: int = 100, scan: int = _SCAN, known_final: set[str] | None = None) -> dict[str, int]:
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue
@@ -135,7 +136,11 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     Per priority, a round settles up to `limit` messages and looks at up to
     `scan` (those it keeps included): it receives until the queue yields
     nothing new, `scan` is reached or half of `_HIDE_S` has passed, keeping
-    what it leaves in place hidden meanwhile, then shows those again."""
+    what it leaves in place hidden meanwhile, then shows those again.
+
+    `known_final`: ids of tasks found final in earlier rounds, kept by the
+    caller; a final task stays final, so their records are not read again."""
+    known_final = set() if known_final is None else known_final
     counts = {"failed": 0, "requeued": 0}
     for priority in priorities:
         dlq = queues.dlq_url(priority)
@@ -152,7 +157,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 if not new:
                     break
                 seen.update(m["MessageId"] for m in new)
-                records = store.get_many({t for t in (_task_id(m["Body"]) for m in new) if t})
+                ids = {t for t in (_task_id(m["Body"]) for m in new) if t and t not in known_final}
+                records = store.get_many(ids) if ids else {}
+                known_final.update(t for t, r in records.items() if r.status.is_terminal)
                 requeue = []
                 for m in new:
                     record = records.get(_task_id(m["Body"]) or "")
@@ -189,9 +196,12 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
 def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event) -> None:
     """settle_dead every SLUICE_DLQ_SETTLE_S seconds (jittered) until `done`."""
     every_s = float(os.environ.get("SLUICE_DLQ_SETTLE_S", "30"))
+    known_final: set[str] = set()
     while not done.wait(every_s * random.uniform(0.5, 1.5)):
+        if len(known_final) > _KNOWN_FINAL_MAX:
+            known_final.clear()
         try:
-            counts = settle_dead(queues, store, list(Priority), max_attempts)
+            counts = settle_dead(queues, store, list(Priority), max_attempts, known_final=known_final)
         except Exception as exc:  # a dependency is down: next round
             log.warning("settling dead-lettered tasks failed: %s", type(exc).__name__)
             continue

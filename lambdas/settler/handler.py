@@ -19,10 +19,14 @@ logger = Logger(service="sluice-settler")
 settings = Settings()
 queues = PriorityQueues(settings)
 store = TaskStore(settings)
+# Kept while the execution environment is warm: final tasks' records are read once.
+known_final: set[str] = set()
 
 
 @logger.inject_lambda_context
 def handler(event, context) -> dict[str, int]:
-    counts = settle_dead(queues, store, list(Priority), settings.max_attempts)
+    if len(known_final) > 100_000:
+        known_final.clear()
+    counts = settle_dead(queues, store, list(Priority), settings.max_attempts, known_final=known_final)
     logger.info("dead-lettered tasks settled", extra=counts)
     return counts

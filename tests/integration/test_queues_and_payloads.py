@@ -92,6 +92,22 @@ def test_settling_reaches_tasks_behind_more_than_a_hundred_kept_messages(setting
     assert depth(queues, dlq) == (132, 0)
 
 
+def test_a_settling_process_reads_a_final_tasks_record_once(settings):
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, [f"final{i}" for i in range(30)], status=TaskStatus.failed, attempts=2)
+    read: list[str] = []
+    real = store.get_many
+    store.get_many = lambda ids: read.extend(ids) or real(ids)
+    known: set[str] = set()
+    settle_dead(queues, store, [Priority.normal], settings.max_attempts, known_final=known)
+    assert sorted(read) == sorted(f"final{i}" for i in range(30)) and len(known) == 30
+    read.clear()
+    dead_letter(queues, store, ["handed-back"])
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts,
+                       known_final=known) == {"failed": 0, "requeued": 1}
+    assert read == ["handed-back"]  # the final ones were not read again
+
+
 class FailsToStore:
     """Test seam over the real client: SendMessageBatch stores every entry but
     those of `task_id` on moto, and reports that one in `Failed`, as SQS does
