@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from botocore.client import BaseClient
 
 from onprem.embedded import emulator_env, free_port, wait_http
 
@@ -52,3 +53,18 @@ def settings(moto_endpoint):
     )
     ensure_resources(s)
     return s
+
+
+@pytest.fixture
+def aws_calls(monkeypatch):
+    """Every AWS call made from here on, as (service, operation): a spy on
+    botocore that lets each call through to the moto server."""
+    calls: set[tuple[str, str]] = set()
+    real = BaseClient._make_api_call
+
+    def recording(client, operation, params):
+        calls.add((client.meta.service_model.endpoint_prefix, operation))
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    return calls

@@ -9,7 +9,6 @@ import threading
 import time
 
 import boto3
-from botocore.client import BaseClient
 
 from cdk import access
 from models.synthetic import SyntheticModel
@@ -19,7 +18,7 @@ from sluice.contract import Priority, SubmitRequest, TaskStatus
 from sluice.worker.main import Worker
 
 
-def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch):
+def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch, aws_calls):
     sqs = boto3.client("sqs")
     urls = {p: sqs.get_queue_url(QueueName=settings.queue_name(p))["QueueUrl"] for p in Priority}
     # As the stack configures the pods: explicit queue URLs, a prefix that is not the queues'.
@@ -48,14 +47,7 @@ def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch
     else:
         raise AssertionError("the dead-lettered task's message was not received within 10 s")
 
-    calls: set[tuple[str, str]] = set()
-    real = BaseClient._make_api_call
-
-    def recording(client, operation, params):
-        calls.add((client.meta.service_model.endpoint_prefix, operation))
-        return real(client, operation, params)
-
-    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    aws_calls.clear()  # from here on
     worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -75,7 +67,7 @@ def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch
 
     granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_QUEUES
                   + access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
-    used = {access.iam_action(service, op) for service, op in calls}
+    used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:SendMessage", "dynamodb:BatchGetItem",
             "dynamodb:UpdateItem", "s3:GetObject", "s3:PutObject"} <= used, used
     assert used <= granted, used - granted

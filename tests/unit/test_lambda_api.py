@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import boto3
 import pytest
-from botocore.client import BaseClient
 
 from cdk import access
 from sluice.contract import Priority
@@ -196,21 +195,6 @@ def test_models_and_validation_errors_through_the_gateway_event(handler):
         proxy_event("POST", "/v1/tasks", key_id="kid-alpha", body={"model": "synthetic", "inputs": []}),
     )
     assert status == 422 and body["error"]["code"] == "validation_error"
-
-
-@pytest.fixture
-def aws_calls(monkeypatch):
-    """Every AWS call made from here on, as (service, operation): a spy on
-    botocore that lets each call through to the moto server."""
-    calls: set[tuple[str, str]] = set()
-    real = BaseClient._make_api_call
-
-    def recording(client, operation, params):
-        calls.add((client.meta.service_model.endpoint_prefix, operation))
-        return real(client, operation, params)
-
-    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
-    return calls
 
 
 def test_the_api_role_allows_every_call_the_handler_makes(handler, settings, monkeypatch, aws_calls):

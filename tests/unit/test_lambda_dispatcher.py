@@ -22,7 +22,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
-from botocore.client import BaseClient
 
 from cdk import access
 from containers.sagemaker.serve import Endpoint, RequestError
@@ -318,7 +317,7 @@ def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_at
     assert missing.status == TaskStatus.queued and "no answer for this task" in missing.error_message
 
 
-def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monkeypatch):
+def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monkeypatch, aws_calls):
     monkeypatch.setenv("SLUICE_INLINE_RESULT_MAX_BYTES", "64")
     dispatch.module._dispatcher = None
     small_inline = settings.model_copy(update={"inline_payload_max_bytes": 16})
@@ -328,18 +327,11 @@ def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monk
     TaskService(settings).cancel("tenant-a", cancelled)
     event = sqs_event(settings, 3)
 
-    calls: set[tuple[str, str]] = set()
-    real = BaseClient._make_api_call
-
-    def recording(client, operation, params):
-        calls.add((client.meta.service_model.endpoint_prefix, operation))
-        return real(client, operation, params)
-
-    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    aws_calls.clear()  # from here on
     dispatch(event)
     # The event source mapping itself receives and deletes (its grant: WORKER_QUEUES).
     granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + ["sagemaker:InvokeEndpoint"])
-    used = {access.iam_action(service, op) for service, op in calls}
+    used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "s3:GetObject", "s3:PutObject",
             "sagemaker:InvokeEndpoint"} <= used
     assert used <= granted, used - granted

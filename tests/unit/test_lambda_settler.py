@@ -11,7 +11,6 @@ import importlib
 from types import SimpleNamespace
 
 import boto3
-from botocore.client import BaseClient
 
 from cdk import access
 from sluice.adapters.task_store import Change, TaskStore
@@ -19,7 +18,7 @@ from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest, TaskStatus
 
 
-def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, monkeypatch):
+def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, monkeypatch, aws_calls):
     sqs = boto3.client("sqs")
     urls = {p: sqs.get_queue_url(QueueName=settings.queue_name(p))["QueueUrl"] for p in Priority}
     env = {
@@ -48,14 +47,7 @@ def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, mon
     # Its three starts' record: the first delivery's start is not written (sluice.lifecycle).
     store.apply(Change(crashed, {"attempts": 2}, (TaskStatus.queued,)))
 
-    calls: set[tuple[str, str]] = set()
-    real = BaseClient._make_api_call
-
-    def recording(client, operation, params):
-        calls.add((client.meta.service_model.endpoint_prefix, operation))
-        return real(client, operation, params)
-
-    monkeypatch.setattr(BaseClient, "_make_api_call", recording)
+    aws_calls.clear()  # from here on
     import lambdas.settler.handler as module
 
     module = importlib.reload(module)
@@ -70,6 +62,6 @@ def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, mon
     assert [never_ran in m["Body"] for m in requeued.get("Messages", [])] == [True]
 
     granted = set(access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
-    used = {access.iam_action(service, op) for service, op in calls}
+    used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "sqs:SendMessage", "sqs:ReceiveMessage"} <= used
     assert used <= granted, used - granted
