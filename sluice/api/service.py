@@ -330,7 +330,7 @@ class TaskService:
             # Each task is created once under its own id, so a retried batch
             # resumes exactly where it stopped. Each must match the whole batch,
             # so a key reused for another batch is refused at its first task,
-            # before anything is written.
+            # before any record or message is written.
             whole = request_hash(batch)
             return BatchAccepted(
                 tasks=[
