@@ -39,7 +39,7 @@ class Worker:
         self._done = threading.Event()
         self._held: dict[str, Received] = {}
         self._held_lock = threading.Lock()
-        self.pipeline = Pipeline(self.runner, self._take_batch, self._release)
+        self.pipeline = Pipeline(self.runner, self._take_batch, self._release, self._give_back)
 
     # ----------------------------------------------------------- receiving
     def _receive_loop(self, priority: Priority) -> None:

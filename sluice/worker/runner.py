@@ -152,10 +152,13 @@ class BatchRunner:
 class Pipeline:
     """Runs prepare -> infer -> finish with bounded hand-offs between stages."""
 
-    def __init__(self, runner: BatchRunner, take_batch, on_done):
+    def __init__(self, runner: BatchRunner, take_batch, on_done, give_back=None):
         self.runner = runner
         self.take_batch = take_batch
         self.on_done = on_done  # receives the messages a batch no longer holds
+        # Receives the messages of a batch not started when stopping: visible
+        # again at once for another worker (default: left to their timeout).
+        self.give_back = give_back or on_done
         self._prepared: queue.Queue = queue.Queue(maxsize=1)
         self._finished: queue.Queue = queue.Queue(maxsize=2)
         self.stopping = threading.Event()
@@ -171,6 +174,11 @@ class Pipeline:
             if item is None:
                 break
             batch, prepared = item
+            if self.stopping.is_set():
+                # Only the batch in inference finishes within the grace period;
+                # the ones prepared behind it go back rather than run after it.
+                self.give_back(batch)
+                continue
             try:
                 outcomes = self.runner.infer(prepared.jobs)
             except Exception:

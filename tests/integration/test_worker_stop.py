@@ -1,0 +1,65 @@
+"""A worker told to stop (SIGTERM) finishes the batch in inference only: the
+batches prepared behind it go back to the queue at once, rather than run past
+the pod's grace period."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from models.synthetic import SyntheticModel
+from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import TaskStore
+from sluice.api.service import TaskService
+from sluice.contract import Priority, SubmitRequest, TaskStatus
+from sluice.worker.main import Worker
+
+
+class GatedModel(SyntheticModel):
+    """Holds its first batch in inference until the test lets it go."""
+
+    def __init__(self):
+        super().__init__(base_ms=0, per_item_ms=0)
+        self.inferring, self.go = threading.Event(), threading.Event()
+
+    def predict_batch(self, inputs):
+        self.inferring.set()
+        assert self.go.wait(20), "the test never released the model"
+        return super().predict_batch(inputs)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0})
+    service = TaskService(settings)
+    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
+           for i in range(8)]
+    model = GatedModel()
+    worker = Worker(settings, {"synthetic": model})
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+        # A second batch is prepared and waits behind the one in inference.
+        wait_for(worker.pipeline._prepared.full, 15, "a prepared batch waiting for the model")
+        worker.stop()
+    finally:
+        model.go.set()
+        thread.join(20)
+    assert not thread.is_alive()
+
+    records = TaskStore(settings).get_many(ids)
+    done = [t for t in ids if records[t].status == TaskStatus.succeeded]
+    assert len(done) == 2, {t: r.status for t, r in records.items()}
+    assert all(records[t].status == TaskStatus.queued for t in ids if t not in done)
+    # Everything else is back in the queue now, not after its visibility timeout (30 s).
+    queues, back = PriorityQueues(settings), set()
+    wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
+             or len(back) == 6, 10, "the six other tasks visible again")
+    assert back == set(ids) - set(done)
