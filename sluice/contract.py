@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -168,6 +168,13 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelInfo]
+
+
+class Readiness(BaseModel):
+    """GET /ready: 200 when every dependency answers, 503 naming the ones that do not."""
+
+    status: Literal["ready", "not_ready"]
+    checks: dict[str, str] = Field(description='"ok", or the error a dependency answered with.')
 
 
 class ErrorDetail(BaseModel):

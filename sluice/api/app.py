@@ -28,6 +28,7 @@ from sluice.contract import (
     ErrorDetail,
     ErrorResponse,
     ModelList,
+    Readiness,
     Priority,
     SubmitRequest,
     TaskAccepted,
@@ -230,7 +231,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Liveness: the process answers. Touches no dependency."""
         return {"status": "ok"}
 
-    @app.get("/ready", tags=["ops"])
+    @app.get("/ready", tags=["ops"], response_model=Readiness,
+             responses={503: {"model": Readiness, "description": "A dependency does not answer."}})
     def ready() -> JSONResponse:
         """Readiness: the table, the queues and the bucket answer."""
         checks = {}

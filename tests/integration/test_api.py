@@ -189,5 +189,9 @@ def test_cancel_a_queued_task_then_it_is_final(api):
 def test_openapi_docs_are_served(api):
     assert api.get("/docs").status_code == 200
     schema = api.get("/openapi.json").json()
+    # /ready answers its own shape, also when not ready, not the error body.
+    ready = schema["paths"]["/ready"]["get"]["responses"]
+    assert {ready[c]["content"]["application/json"]["schema"]["$ref"] for c in ("200", "503")} == {
+        "#/components/schemas/Readiness"}
     assert "SubmitRequest" in schema["components"]["schemas"]
     assert "/v1/tasks/{task_id}" in schema["paths"]
