@@ -162,6 +162,8 @@ class OutcomePlan:
     succeeded: list[Outcome] = field(default_factory=list)
     retry: list[Outcome] = field(default_factory=list)  # attempts remain
     failed: list[Outcome] = field(default_factory=list)  # final; its message goes to the DLQ
+    # Final at once (its inputs cannot be read): no delivery could change it, so its message is deleted.
+    unrunnable: list[Outcome] = field(default_factory=list)
 
 
 def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> OutcomePlan:
@@ -195,7 +197,7 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
         values = {"error_code": o.error_code, "error_message": o.error[:_ERROR_CHARS], **started}
         if o.permanent or o.job.attempts >= settings.max_attempts:
             values.update(status=TaskStatus.failed.value, finished_at=now)
-            plan.failed.append(o)
+            (plan.unrunnable if o.permanent else plan.failed).append(o)
         else:
             plan.retry.append(o)
         plan.changes.append(Change(task_id, values, _QUEUED))

@@ -188,9 +188,9 @@ class Dispatcher:
         rejected = self.store.apply_many(plan.changes) if plan.changes else set()
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
-        # A permanent failure (its inputs cannot be read) is final at once: acknowledged.
+        # plan.unrunnable (inputs that cannot be read) is final at once: acknowledged.
         for o in plan.retry + plan.failed:
-            if o.job.message.task_id not in rejected and not o.permanent:
+            if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)

@@ -130,11 +130,9 @@ class BatchRunner:
         # finished it, or it was cancelled or expired meanwhile): that stands,
         # and its message is acknowledged whatever this attempt's outcome was.
         rejected = self.store.apply_many(plan.changes) if plan.changes else set()
-        settled = plan.succeeded + [o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
+        settled = plan.succeeded + plan.unrunnable + [
+            o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
-        # A permanent failure is final before its last attempt: no delivery can change it.
-        settled += [o for o in failed if o.permanent]
-        failed = [o for o in failed if not o.permanent]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
         if done:
