@@ -27,7 +27,7 @@ import time
 
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
-from sluice.contract import Priority, TaskStatus, now_ms
+from sluice.contract import Priority, TaskRecord, TaskStatus, now_ms
 
 log = logging.getLogger("sluice.dlq")
 
@@ -139,8 +139,11 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     what it leaves in place hidden meanwhile, then shows those again.
 
     `known_final`: ids of tasks found final in earlier rounds, kept by the
-    caller; a final task stays final, so their records are not read again."""
+    caller (and bounded here); a final task stays final, so their records are
+    not read again."""
     known_final = set() if known_final is None else known_final
+    if len(known_final) > _KNOWN_FINAL_MAX:
+        known_final.clear()
     counts = {"failed": 0, "requeued": 0}
     for priority in priorities:
         dlq = queues.dlq_url(priority)
@@ -171,16 +174,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                         # A first delivery's start is not recorded (sluice.lifecycle), so
                         # max_attempts - 1 recorded starts mean max_attempts runs.
                         keep.append(m)
-                        try:
-                            store.apply(Change(record.task_id, {
-                                "status": TaskStatus.failed.value, "finished_at": now_ms(),
-                                "error_code": "dead_lettered",
-                                "error_message": f"no outcome after {record.attempts} attempts: the worker running "
-                                                 "it stopped each time; its message is in the dead-letter queue"},
-                                _ACTIVE))
-                            counts["failed"] += 1
-                        except TransitionRejected:
-                            pass  # it got an outcome meanwhile
+                        counts["failed"] += _fail_dead_lettered(store, record)
                     else:
                         requeue.append(m)
                 left = _move(queues, dlq, queues.url(priority), requeue)
@@ -193,13 +187,23 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     return counts
 
 
+def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
+    """1 if the task is now failed, 0 if it got an outcome meanwhile."""
+    try:
+        store.apply(Change(record.task_id, {
+            "status": TaskStatus.failed.value, "finished_at": now_ms(), "error_code": "dead_lettered",
+            "error_message": f"no outcome after {record.attempts} attempts: the worker running it "
+                             "stopped each time; its message is in the dead-letter queue"}, _ACTIVE))
+    except TransitionRejected:
+        return 0
+    return 1
+
+
 def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event) -> None:
     """settle_dead every SLUICE_DLQ_SETTLE_S seconds (jittered) until `done`."""
     every_s = float(os.environ.get("SLUICE_DLQ_SETTLE_S", "30"))
     known_final: set[str] = set()
     while not done.wait(every_s * random.uniform(0.5, 1.5)):
-        if len(known_final) > _KNOWN_FINAL_MAX:
-            known_final.clear()
         try:
             counts = settle_dead(queues, store, list(Priority), max_attempts, known_final=known_final)
         except Exception as exc:  # a dependency is down: next round

@@ -25,8 +25,6 @@ known_final: set[str] = set()
 
 @logger.inject_lambda_context
 def handler(event, context) -> dict[str, int]:
-    if len(known_final) > 100_000:
-        known_final.clear()
     counts = settle_dead(queues, store, list(Priority), settings.max_attempts, known_final=known_final)
     logger.info("dead-lettered tasks settled", extra=counts)
     return counts
