@@ -11,6 +11,7 @@ from sluice.aws import client
 from sluice.contract import Priority
 from sluice.settings import Settings
 
+
 def ensure_resources(settings: Settings) -> dict[str, str]:
     urls = ensure_queues(settings)
     ensure_tables(settings)

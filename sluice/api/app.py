@@ -28,8 +28,8 @@ from sluice.contract import (
     ErrorDetail,
     ErrorResponse,
     ModelList,
-    Readiness,
     Priority,
+    Readiness,
     SubmitRequest,
     TaskAccepted,
     TaskView,
@@ -134,15 +134,14 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     details = []
     malformed = False
     for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         if e.get("type") == "json_invalid":
             # Its location is a character offset into the body, not a field.
             malformed = True
-            at = [p for p in e.get("loc", ()) if p != "body"]
-            where = f" at character {at[0]}" if at else ""
+            where = f" at character {loc[0]}" if loc else ""
             error = (e.get("ctx") or {}).get("error", "")
             details.append(ErrorDetail(field="body", rule=f"json_invalid{where}: {e.get('msg')}" + (f" ({error})" if error else "")))
             continue
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         details.append(ErrorDetail(field=".".join(loc) or "body", rule=f"{e.get('type')}: {e.get('msg')}"))
     if malformed:
         err = ApiError(400, "malformed_json", "the request body is not valid JSON", details)
