@@ -39,6 +39,11 @@ class Worker:
         self._done = threading.Event()
         self._held: dict[str, Received] = {}
         self._held_lock = threading.Lock()
+        # Held by the heartbeat across its extension call, and taken by every
+        # release: once a batch's messages are released, no extension of them
+        # is in flight, so the batch's own visibility change (a retry's
+        # backoff, 0 for the DLQ or a hand-back) is the last one to land.
+        self._extending = threading.Lock()
         self.pipeline = Pipeline(self.runner, self._take_batch, self._release, self._give_back)
 
     # ----------------------------------------------------------- receiving
@@ -79,26 +84,30 @@ class Worker:
         )
 
     def _release(self, messages: list[Received]) -> None:
-        with self._held_lock:
+        with self._extending, self._held_lock:
             for m in messages:
                 self._held.pop(m.receipt_handle, None)
 
     def _give_back(self, messages: list[Received]) -> None:
         if not messages:
             return
+        self._release(messages)
         try:
             self.queues.change_visibility_many(messages, 0)
         except Exception as exc:  # they come back after their visibility timeout anyway
             log.warning("could not hand back %d messages: %s", len(messages), exc)
-        self._release(messages)
 
     # ----------------------------------------------------------- heartbeat
     def _heartbeat_loop(self) -> None:
         """Keep every held message invisible while it waits or runs."""
         period = max(1.0, self.settings.visibility_timeout_s / 3)
         while not self._done.wait(period):
+            self._extend_held(period)
+
+    def _extend_held(self, older_than_s: float) -> None:
+        with self._extending:
             with self._held_lock:
-                held = [m for m in self._held.values() if time.monotonic() - m.received_at >= period]
+                held = [m for m in self._held.values() if time.monotonic() - m.received_at >= older_than_s]
             if held:
                 try:
                     self.queues.change_visibility_many(held, self.settings.visibility_timeout_s)

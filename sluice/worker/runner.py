@@ -121,7 +121,9 @@ class BatchRunner:
         return outcomes
 
     # -------------------------------------------------------------- finish
-    def finish(self, prepared: Prepared, outcomes: list[Outcome]) -> None:
+    def finish(self, prepared: Prepared, outcomes: list[Outcome], release=None) -> None:
+        """`release` is told which messages the queue calls below settle, just
+        before them, so that nothing extends their visibility afterwards."""
         outcomes = prepared.unreadable + outcomes
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
@@ -135,14 +137,18 @@ class BatchRunner:
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
+        to_dlq = [d for o in failed for d in o.job.deliveries]
+        to_retry = [d for o in retry for d in o.job.deliveries]
+        if release:
+            release(done + to_dlq + to_retry)
         if done:
             self.queues.delete_many(done)
-        if failed:
+        if to_dlq:
             # Not deleted: visible at once, its next receive moves it to the DLQ.
-            self.queues.change_visibility_many([d for o in failed for d in o.job.deliveries], 0)
-        if retry:
+            self.queues.change_visibility_many(to_dlq, 0)
+        if to_retry:
             backoff_s = min(30, 2 ** max(o.job.attempts for o in retry))
-            self.queues.change_visibility_many([d for o in retry for d in o.job.deliveries], backoff_s)
+            self.queues.change_visibility_many(to_retry, backoff_s)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
 
@@ -216,7 +222,7 @@ class Pipeline:
                 return
             batch, prepared, outcomes = item
             try:
-                self.runner.finish(prepared, outcomes)
+                self.runner.finish(prepared, outcomes, self.on_done)
             except Exception:
                 log.exception("finish failed; messages will be redelivered")
                 self.failures += 1
