@@ -174,7 +174,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The framework's own errors (a body that is not UTF-8, an unknown
         # route, a wrong method) in the same error contract as ours.
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        err = ApiError(exc.status_code, code, str(exc.detail))
+        # Its 400s are bodies that could not be parsed at all (not UTF-8, a
+        # number too long to convert): the body is the field at fault.
+        details = [ErrorDetail(field="body", rule=f"unparseable: {exc.detail}")] if exc.status_code == 400 else []
+        err = ApiError(exc.status_code, code, str(exc.detail), details)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)

@@ -195,3 +195,14 @@ def test_openapi_docs_are_served(api):
         "#/components/schemas/Readiness"}
     assert "SubmitRequest" in schema["components"]["schemas"]
     assert "/v1/tasks/{task_id}" in schema["paths"]
+
+
+def test_a_number_too_long_to_parse_is_400_naming_the_body(api, settings):
+    # Python refuses to parse an integer of over 4300 digits (CVE-2020-10735).
+    body = b'{"model": "synthetic", "inputs": ["a"], "metadata": {"n": ' + b"9" * 5000 + b"}}"
+    response = api.post("/v1/tasks", content=body,
+                        headers={"x-api-key": api.key_a, "content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    details = response.json()["error"]["details"]
+    assert [d["field"] for d in details] == ["body"] and all(d["rule"] for d in details), details
+    assert nothing_recorded(settings)
