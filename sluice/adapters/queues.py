@@ -15,6 +15,15 @@ from sluice.contract import Priority, TaskMessage
 from sluice.settings import Settings
 
 _SQS_BATCH = 10
+# The two characters valid in a JSON string that SQS refuses in a message body
+# (InvalidMessageContents); lone surrogates never pass the contract.
+_SQS_REFUSED = str.maketrans({"\ufffe": "\\ufffe", "\uffff": "\\uffff"})
+
+
+def message_body(message: TaskMessage) -> str:
+    """The message as JSON, with SQS's two refused characters escaped (the same JSON value)."""
+    body = message.model_dump_json(exclude_none=True)
+    return body.translate(_SQS_REFUSED) if "\ufffe" in body or "\uffff" in body else body
 
 
 @dataclass
@@ -64,7 +73,7 @@ class PriorityQueues:
 
     # ------------------------------------------------------------------ send
     def send(self, message: TaskMessage) -> None:
-        self.sqs.send_message(QueueUrl=self.url(message.priority), MessageBody=message.model_dump_json(exclude_none=True))
+        self.sqs.send_message(QueueUrl=self.url(message.priority), MessageBody=message_body(message))
 
     def send_many(self, messages: list[TaskMessage]) -> None:
         """SendMessageBatch per priority; raises SendFailed naming the task ids not sent."""
@@ -83,7 +92,7 @@ class PriorityQueues:
                     response = self.sqs.send_message_batch(
                         QueueUrl=self.url(priority),
                         Entries=[
-                            {"Id": str(j), "MessageBody": m.model_dump_json(exclude_none=True)}
+                            {"Id": str(j), "MessageBody": message_body(m)}
                             for j, m in enumerate(chunk)
                         ],
                     )

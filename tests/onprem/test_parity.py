@@ -273,6 +273,18 @@ def test_a_batch_across_all_three_priorities(stack, api):
     assert [v["result"]["outputs"][0]["length"] for v in views] == [len(t["inputs"][0]) for t in tasks]
 
 
+def test_characters_sqs_refuses_in_a_body_still_travel(stack, api):
+    # U+FFFE and U+FFFF are valid in JSON but refused by SQS in a message body:
+    # sent raw, the submit failed with a 503 that no retry could cure.
+    texts = ["a\uffffb", "\ufffe"]
+    accepted = api.post("/v1/tasks", json={"model": "synthetic", "inputs": texts})
+    assert accepted.status_code == 202, accepted.text
+    view = wait_task(stack, api, accepted.json()["task_id"])
+    assert view["status"] == "succeeded", view
+    expected = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+    assert [o["sha256"] for o in view["result"]["outputs"]] == expected
+
+
 def test_an_unknown_key_is_refused(stack):
     response = httpx.get(f"{stack.api_url}/v1/models", headers={"x-api-key": "not-a-key"}, timeout=10)
     assert response.status_code == 403
