@@ -8,7 +8,8 @@ import time
 
 from models.base import ModelInputError
 
-FAIL_MARKER = "!fail"
+FAIL_MARKER = "!fail"  # refused as an input (ModelInputError): the task fails at once
+CRASH_MARKER = "!crash"  # the model itself fails (RuntimeError): retried, then dead-lettered
 
 
 class SyntheticModel:
@@ -31,6 +32,8 @@ class SyntheticModel:
         for text in inputs:
             if FAIL_MARKER in text:
                 raise ModelInputError(f"synthetic model refuses inputs containing {FAIL_MARKER!r}")
+            if CRASH_MARKER in text:
+                raise RuntimeError(f"synthetic model crashes on inputs containing {CRASH_MARKER!r}")
         return [{"length": len(t), "sha256": hashlib.sha256(t.encode()).hexdigest()[:16]} for t in inputs]
 
     def result_for_task(self, outputs: list[dict]) -> dict:

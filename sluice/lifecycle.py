@@ -107,6 +107,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
 
 
 INPUT_UNAVAILABLE = "input_unavailable"
+INVALID_INPUT = "invalid_input"  # the model refuses the input (models.base.ModelInputError)
 _MISSING = {"NoSuchKey", "NotFound", "404"}
 
 
@@ -162,7 +163,8 @@ class OutcomePlan:
     succeeded: list[Outcome] = field(default_factory=list)
     retry: list[Outcome] = field(default_factory=list)  # attempts remain
     failed: list[Outcome] = field(default_factory=list)  # final; its message goes to the DLQ
-    # Final at once (its inputs cannot be read): no delivery could change it, so its message is deleted.
+    # Final at once (its inputs cannot be read, or the model refuses them): no
+    # delivery could change it, so its message is deleted.
     unrunnable: list[Outcome] = field(default_factory=list)
 
 

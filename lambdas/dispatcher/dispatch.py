@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import TaskMessage, now_ms
-from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes
+from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
@@ -168,8 +168,12 @@ class Dispatcher:
                 outcomes.append(Outcome(job, error="endpoint call failed: no answer for this task"))
             elif "error" in a:
                 error = a["error"] if isinstance(a["error"], dict) else {"message": str(a["error"])}
-                reason = f"{error.get('code', 'model_error')}: {error.get('message', '')}"
-                outcomes.append(Outcome(job, error=reason, model_version=version))
+                code = error.get("code", "model_error")
+                reason = f"{code}: {error.get('message', '')}"
+                if code == INVALID_INPUT:  # the model refuses the input: no attempt can succeed
+                    outcomes.append(Outcome(job, error=reason, error_code=code, permanent=True, model_version=version))
+                else:
+                    outcomes.append(Outcome(job, error=reason, model_version=version))
             else:
                 outcomes.append(
                     Outcome(job, result=a["result"], inference_ms=elapsed_ms, batch_size=n_inputs,
@@ -188,7 +192,7 @@ class Dispatcher:
         rejected = self.store.apply_many(plan.changes) if plan.changes else set()
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
-        # plan.unrunnable (inputs that cannot be read) is final at once: acknowledged.
+        # plan.unrunnable (inputs unreadable or refused by the model) is final at once: acknowledged.
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)

@@ -20,12 +20,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from models.base import ModelInputError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes
+from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
@@ -90,7 +91,7 @@ class BatchRunner:
         return run_isolating(
             lambda group: self._run(model, group),
             jobs,
-            lambda job, exc: Outcome(job, error=f"{type(exc).__name__}: {exc}", model_version=model.version),
+            lambda job, exc: _failure(job, exc, model.version),
         )
 
     def _run(self, model, jobs: list[Job]) -> list[Outcome]:
@@ -151,6 +152,13 @@ class BatchRunner:
             self.queues.change_visibility_many(to_retry, backoff_s)
         if self.metrics:
             self.metrics.record_outcomes(outcomes, now)
+
+
+def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
+    if isinstance(exc, ModelInputError):
+        # The model refuses this input: every attempt would fail the same way.
+        return Outcome(job, error=str(exc), error_code=INVALID_INPUT, permanent=True, model_version=model_version)
+    return Outcome(job, error=f"{type(exc).__name__}: {exc}", model_version=model_version)
 
 
 class Pipeline:

@@ -39,16 +39,34 @@ def test_batch_succeeds_and_acks(api, settings, runner):
     assert receive_all(settings, 1) == []  # every message deleted
 
 
-def test_poison_input_fails_alone(api, settings, runner):
-    good = [api.post("/v1/tasks", json={"model": "synthetic", "inputs": [f"ok{i}"]},
-                     headers={"x-api-key": api.key_a}).json()["task_id"] for i in range(6)]
-    bad = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x !fail"]},
-                   headers={"x-api-key": api.key_a}).json()["task_id"]
+def submit(api, text):
+    return api.post("/v1/tasks", json={"model": "synthetic", "inputs": [text]},
+                    headers={"x-api-key": api.key_a}).json()["task_id"]
+
+
+def test_a_crashing_input_fails_alone_and_is_retried(api, settings, runner):
+    good = [submit(api, f"ok{i}") for i in range(6)]
+    bad = submit(api, "x !crash")
     run_once(runner, receive_all(settings, 7))
     store = TaskStore(settings)
     assert all(store.get(t).status.value == "succeeded" for t in good)
-    poisoned = store.get(bad)
-    assert poisoned.status.value == "queued" and "!fail" in poisoned.error_message and poisoned.attempts == 1
+    crashed = store.get(bad)
+    assert crashed.status.value == "queued" and "!crash" in crashed.error_message and crashed.attempts == 1
+    assert crashed.error_code == "model_error"
+
+
+def test_an_input_the_model_refuses_fails_at_once(api, settings, runner):
+    # The model's own verdict on an input (ModelInputError) would be the same on
+    # every attempt: failed now, its message deleted rather than retried to the DLQ.
+    good = [submit(api, f"ok{i}") for i in range(6)]
+    bad = submit(api, "x !fail")
+    run_once(runner, receive_all(settings, 7))
+    store = TaskStore(settings)
+    assert all(store.get(t).status.value == "succeeded" for t in good)
+    refused = store.get(bad)
+    assert refused.status.value == "failed" and refused.attempts == 1, refused
+    assert refused.error_code == "invalid_input" and "!fail" in refused.error_message
+    assert receive_all(settings, 1) == []  # every message deleted, the refused one too
 
 
 def test_cancelled_and_expired_tasks_never_run(api, settings, runner):

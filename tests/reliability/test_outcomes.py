@@ -1,4 +1,5 @@
-"""Promises 3 and 6: a poison input fails only itself (and ends in the DLQ,
+"""Promises 3 and 6: a poison input fails only itself (an input the model
+refuses fails at once; one the model crashes on is retried and ends in the DLQ,
 which `sluice dlq` lists and redrives), and expired or cancelled tasks never
 run. One stack of real processes (moto, API, two workers, synthetic model).
 """
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from models.synthetic import FAIL_MARKER
+from models.synthetic import CRASH_MARKER, FAIL_MARKER
 from tests.reliability.harness import CANARY, Ledger, running_stack, wait_until
 
 pytestmark = pytest.mark.slow
@@ -49,26 +50,36 @@ def sluice_cli(env, tmp_path, *args: str) -> str:
 
 def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
     ledger = Ledger("poison_input", env.inspector)
-    poison_at = {5, 17, 33}
-    tasks = [{"model": "synthetic", "priority": "normal",
-              "inputs": [f"{CANARY} {FAIL_MARKER} {i}" if i in poison_at else f"{CANARY} healthy {i}"]}
-             for i in range(40)]
+    poison_at = {5, 17, 33}  # the model crashes on these: retried, then dead-lettered
+    refused_at = {9, 26}  # the model refuses these (ModelInputError): failed at once
+
+    def text(i):
+        marker = CRASH_MARKER if i in poison_at else FAIL_MARKER if i in refused_at else "healthy"
+        return f"{CANARY} {marker} {i}"
+
+    tasks = [{"model": "synthetic", "priority": "normal", "inputs": [text(i)]} for i in range(40)]
     # One request, so the poison tasks share batches with healthy ones.
     reply = env.client.call("POST", "/v1/tasks/batch", {"tasks": tasks})
     assert reply.status == 202, reply.text
     ids = [t["task_id"] for t in reply.body["tasks"]]
     poison = {ids[i] for i in poison_at}
-    ledger.add([t for t in ids if t not in poison])
-    ledger.add(sorted(poison), intended="failed")
+    refused = {ids[i] for i in refused_at}
+    ledger.add([t for t in ids if t not in poison | refused])
+    ledger.add(sorted(poison | refused), intended="failed")
     records = ledger.settle(90)
 
     for task_id in poison:
         view = env.client.call("GET", f"/v1/tasks/{task_id}").body
         assert view["status"] == "failed"
         assert view["error"]["code"] == "model_error"
-        assert "ModelInputError" in view["error"]["message"] and FAIL_MARKER in view["error"]["message"]
+        assert "RuntimeError" in view["error"]["message"] and CRASH_MARKER in view["error"]["message"]
         assert 1 <= view["attempts"] <= MAX_ATTEMPTS, view
-    assert all(records[t].status.value == "succeeded" and records[t].result_json for t in ids if t not in poison)
+    for task_id in refused:
+        view = env.client.call("GET", f"/v1/tasks/{task_id}").body
+        assert view["status"] == "failed" and view["attempts"] == 1, view
+        assert view["error"]["code"] == "invalid_input" and FAIL_MARKER in view["error"]["message"]
+    assert all(records[t].status.value == "succeeded" and records[t].result_json
+               for t in ids if t not in poison | refused)
 
     # Failed on its last attempt, the message is not deleted: its next receive
     # moves it to the dead-letter queue.
@@ -107,7 +118,7 @@ def test_a_poison_input_fails_only_itself_and_is_dead_lettered(env, tmp_path):
     figures = ledger.report()
     assert figures["lost"] == 0, ledger.lost_examples()
     assert figures["duplicated"] == 0
-    assert figures["succeeded"] == 37 and figures["failed_as_intended"] == 3
+    assert figures["succeeded"] == 35 and figures["failed_as_intended"] == 5
 
 
 def test_expired_and_cancelled_tasks_never_run(env):

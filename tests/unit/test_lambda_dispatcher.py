@@ -186,7 +186,7 @@ def test_a_batch_is_one_invocation_and_every_message_is_released(dispatch, setti
 
 def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispatch, settings):
     good = submit(settings, *({"model": "synthetic", "inputs": [f"ok {i}"]} for i in range(3)))
-    bad = submit(settings, {"model": "synthetic", "inputs": ["boom !fail"]})
+    bad = submit(settings, {"model": "synthetic", "inputs": ["boom !crash"]})
     event = sqs_event(settings, 4)
     SageMakerRuntime.calls.clear()
     response = dispatch(event)
@@ -196,7 +196,7 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     assert all(store.get(t).status == TaskStatus.succeeded for t in good)
     poisoned = store.get(bad[0])
     assert poisoned.status == TaskStatus.queued and poisoned.error_code == "model_error"
-    assert "!fail" in poisoned.error_message
+    assert "RuntimeError" in poisoned.error_message  # the endpoint logs the details, not the caller
 
     # Its third delivery: the record becomes failed, and the message is still
     # reported so that SQS moves it to the dead-letter queue.
@@ -209,6 +209,19 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     assert failed_ids(dispatch(last)) == message_ids(last, bad)
     final = store.get(bad[0])
     assert final.status == TaskStatus.failed and final.attempts == 3 and final.finished_at
+
+
+def test_an_input_the_model_refuses_fails_at_once_and_is_acknowledged(dispatch, settings):
+    good = submit(settings, {"model": "synthetic", "inputs": ["ok"]})
+    bad = submit(settings, {"model": "synthetic", "inputs": ["boom !fail"]})
+    response = dispatch(sqs_event(settings, 2))
+    # Every attempt would get the same refusal: no retry, no dead letter.
+    assert response == {"batchItemFailures": []}
+    store = TaskStore(settings)
+    assert store.get(good[0]).status == TaskStatus.succeeded
+    refused = store.get(bad[0])
+    assert refused.status == TaskStatus.failed and refused.attempts == 1
+    assert refused.error_code == "invalid_input" and "!fail" in refused.error_message
 
 
 def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
@@ -280,7 +293,7 @@ def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, setti
 
 def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, settings, monkeypatch):
     ids = submit(settings, *({"model": "synthetic", "inputs": [f"t{i}", "u"]} for i in range(5)))
-    bad = submit(settings, {"model": "synthetic", "inputs": ["x", "y !fail"]})
+    bad = submit(settings, {"model": "synthetic", "inputs": ["x", "y !crash"]})
     d = dispatch.module.dispatcher()
     monkeypatch.setattr(d, "max_tasks_per_call", 4)
     monkeypatch.setattr(d, "max_inputs_per_call", 6)
@@ -293,7 +306,7 @@ def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, s
     assert failed_ids(response) == message_ids(event, bad)
     store = TaskStore(settings)
     assert all(store.get(t).status == TaskStatus.succeeded for t in ids)
-    assert store.get(bad[0]).status == TaskStatus.queued and "!fail" in store.get(bad[0]).error_message
+    assert store.get(bad[0]).status == TaskStatus.queued and "RuntimeError" in store.get(bad[0]).error_message
 
 
 def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_attempt(dispatch, settings, monkeypatch):
