@@ -11,7 +11,9 @@ two forms:
   in request order. The dispatcher Lambda sends a whole SQS batch this way so
   that its tasks share the model's batches on the GPU.
 
-Either way the inputs run through the model in chunks of its max_batch_size. In
+Either way the inputs run through the model in chunks of SLUICE_MAX_BATCH_SIZE
+(or the model's own max_batch_size, if smaller). A request holds at most 1024
+inputs; in the many-task form, at most 100 tasks of 64 inputs each, as the API allows. In
 the many-task form a model failure is bisected (sluice.isolation) until the
 task that causes it stands alone, and only that task gets an error.
 
@@ -33,13 +35,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from models.base import ModelInputError
 from models.registry import load_models
-from sluice.contract import MAX_INPUT_CHARS
+from sluice.contract import MAX_INPUT_CHARS, MAX_INPUTS_PER_TASK, MAX_TASKS_PER_BATCH
 from sluice.isolation import run_isolating
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.sagemaker")
 
 JSON = "application/json"
+# A request's work is bounded as an async task's is: the dispatcher sends at most
+# 64 tasks and 256 inputs a call, and a response over 6 MB is one SageMaker drops.
+MAX_INPUTS_PER_REQUEST = 1024
 
 
 class RequestError(Exception):
@@ -51,10 +56,12 @@ class RequestError(Exception):
 class Endpoint:
     """Loaded models and the logic of one invocation, free of HTTP."""
 
-    def __init__(self, models: dict, default_model: str, max_payload_bytes: int = 6 * 2**20):
+    def __init__(self, models: dict, default_model: str, max_payload_bytes: int = 6 * 2**20,
+                 max_batch_size: int | None = None):
         self.models = models
         self.default_model = default_model
         self.max_payload_bytes = max_payload_bytes
+        self.max_batch_size = max_batch_size  # SLUICE_MAX_BATCH_SIZE; each model's own limit applies too
         self._locks = {name: threading.Lock() for name in models}
 
     def invoke(self, body: bytes, content_type: str | None) -> dict:
@@ -76,6 +83,8 @@ class Endpoint:
         if not isinstance(request, dict):
             raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", 'send {"inputs": [...]} or a JSON list')
         name = request.get("model") or self.default_model
+        if not isinstance(name, str):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "model must be a string")
         model = self.models.get(name)
         if model is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "unknown_model",
@@ -83,19 +92,20 @@ class Endpoint:
         if "tasks" in request:
             return self._invoke_tasks(name, model, request["tasks"])
         inputs = request.get("inputs")
-        problem = _inputs_problem(inputs, "inputs")
+        problem = _inputs_problem(inputs, "inputs", MAX_INPUTS_PER_REQUEST)
         if problem:
             raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", problem)
         try:
             with self._locks[name]:
-                outputs = _predict(model, inputs)
+                outputs = self._predict(model, inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
         return {"model": name, "model_version": model.version, "result": model.result_for_task(outputs)}
 
     def _invoke_tasks(self, name: str, model, tasks) -> dict:
-        if not isinstance(tasks, list) or not tasks:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "tasks must be a non-empty list")
+        if not isinstance(tasks, list) or not 1 <= len(tasks) <= MAX_TASKS_PER_BATCH:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
+                               f"tasks must be a list of 1 to {MAX_TASKS_PER_BATCH} tasks")
         answers: list[dict | None] = [None] * len(tasks)
         runnable: list[tuple[int, str, list[str]]] = []
         for i, task in enumerate(tasks):
@@ -104,14 +114,18 @@ class Endpoint:
                 raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
                                    f"tasks[{i}] must be an object with a task_id string")
             # A bad task is that task's error, not the request's: the others still run.
-            problem = _inputs_problem(task.get("inputs"), f"tasks[{i}].inputs")
+            problem = _inputs_problem(task.get("inputs"), f"tasks[{i}].inputs", MAX_INPUTS_PER_TASK)
             if problem:
                 answers[i] = {"task_id": task_id, "error": {"code": "validation_error", "message": problem}}
             else:
                 runnable.append((i, task_id, task["inputs"]))
+        total = sum(len(inputs) for _, _, inputs in runnable)
+        if total > MAX_INPUTS_PER_REQUEST:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
+                               f"the tasks hold {total} inputs; at most {MAX_INPUTS_PER_REQUEST} a request")
 
         def run(group: list[tuple[int, str, list[str]]]) -> list[dict]:
-            outputs = _predict(model, [text for _, _, inputs in group for text in inputs])
+            outputs = self._predict(model, [text for _, _, inputs in group for text in inputs])
             answered, offset = [], 0
             for _, task_id, inputs in group:
                 result = model.result_for_task(outputs[offset : offset + len(inputs)])
@@ -135,23 +149,24 @@ class Endpoint:
         return {"model": name, "model_version": model.version, "tasks": answers}
 
 
-def _inputs_problem(inputs, where: str) -> str | None:
-    if not isinstance(inputs, list) or not inputs:
-        return f"{where} must be a non-empty list"
+    def _predict(self, model, inputs: list[str]) -> list:
+        limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)
+        outputs: list = []
+        for start in range(0, len(inputs), limit):
+            outputs += model.predict_batch(inputs[start : start + limit])
+        # A short answer would shift every later task's outputs onto the wrong task.
+        if len(outputs) != len(inputs):
+            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
+        return outputs
+
+
+def _inputs_problem(inputs, where: str, most: int) -> str | None:
+    if not isinstance(inputs, list) or not 1 <= len(inputs) <= most:
+        return f"{where} must be a list of 1 to {most} inputs"
     for i, text in enumerate(inputs):
         if not isinstance(text, str) or not 1 <= len(text) <= MAX_INPUT_CHARS:
             return f"{where}[{i}] must be a string of 1 to {MAX_INPUT_CHARS} characters"
     return None
-
-
-def _predict(model, inputs: list[str]) -> list:
-    outputs: list = []
-    for start in range(0, len(inputs), model.max_batch_size):
-        outputs += model.predict_batch(inputs[start : start + model.max_batch_size])
-    # A short answer would shift every later task's outputs onto the wrong task.
-    if len(outputs) != len(inputs):
-        raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
-    return outputs
 
 
 def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
@@ -219,7 +234,8 @@ def make_server(endpoint: Endpoint, host: str, port: int) -> ThreadingHTTPServer
 def load_endpoint(settings: Settings) -> Endpoint:
     models = load_models(settings.model_names(), settings.torch_threads)
     max_mb = float(os.environ.get("SAGEMAKER_MAX_PAYLOAD_IN_MB", "6"))
-    return Endpoint(models, default_model=settings.model_names()[0], max_payload_bytes=int(max_mb * 2**20))
+    return Endpoint(models, default_model=settings.model_names()[0], max_payload_bytes=int(max_mb * 2**20),
+                    max_batch_size=settings.max_batch_size)
 
 
 def main() -> int:

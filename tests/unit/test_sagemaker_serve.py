@@ -112,6 +112,8 @@ def test_a_bare_list_is_the_batch_and_keep_alive_reuses_the_connection(server):
         ({"inputs": ["a"]}, "text/csv", 415, "unsupported_media_type"),
         ({"inputs": ["y" * 20000]}, "application/json", 413, "payload_too_large"),
         ({"inputs": ["fine", "!bad"]}, "application/json", 400, "invalid_input"),
+        ({"model": ["echo"], "inputs": ["a"]}, "application/json", 400, "validation_error"),
+        ({"inputs": ["a"] * (1025)}, "application/json", 400, "validation_error"),
     ],
 )
 def test_bad_requests_get_json_errors(server, body, content_type, status, code):
@@ -185,12 +187,31 @@ def test_a_task_with_bad_inputs_fails_alone(server):
         ({"tasks": ["a"]}, 400, "validation_error"),
         ({"model": "nope", "tasks": [{"task_id": "a", "inputs": ["a"]}]}, 400, "unknown_model"),
         ({"tasks": [{"task_id": f"t{i}", "inputs": ["y" * 4000]} for i in range(5)]}, 413, "payload_too_large"),
+        ({"tasks": [{"task_id": f"t{i}", "inputs": ["a"]} for i in range(101)]}, 400, "validation_error"),
+        ({"tasks": [{"task_id": f"t{i}", "inputs": ["a"] * 64} for i in range(17)]}, 400, "validation_error"),
     ],
 )
 def test_bad_many_task_requests_get_json_errors(server, body, status, code):
     port, _ = server
     got_status, got = call(port, "POST", "/invocations", body)
     assert (got_status, got["error"]["code"]) == (status, code)
+
+
+def test_a_task_over_the_contract_s_inputs_fails_alone(server):
+    port, _ = server
+    tasks = [{"task_id": "ok", "inputs": ["a"]}, {"task_id": "big", "inputs": ["b"] * 65}]
+    status, body = call(port, "POST", "/invocations", {"tasks": tasks})
+    assert status == 200
+    assert body["tasks"][0] == {"task_id": "ok", "result": {"outputs": ["A"]}}
+    assert body["tasks"][1]["error"]["code"] == "validation_error" and "64" in body["tasks"][1]["error"]["message"]
+
+
+def test_the_configured_batch_size_caps_the_model_s_own():
+    model = Recording()  # its own limit is 4
+    endpoint = serve.Endpoint({"echo": model}, default_model="echo", max_batch_size=3)
+    answer = endpoint.invoke(json.dumps({"inputs": [f"t{i}" for i in range(7)]}).encode(), "application/json")
+    assert answer["result"]["outputs"] == [f"T{i}" for i in range(7)]
+    assert [len(b) for b in model.batches] == [3, 3, 1]
 
 
 def test_the_payload_limit_holds_for_a_body_handed_over_directly():
