@@ -153,6 +153,12 @@ class SluiceConfig:
             problems.append("longest_batch_s: 1..3600")
         if "sagemaker" in self.backends and self.longest_batch_s > 60:
             problems.append("longest_batch_s: a SageMaker real-time invocation ends after 60 s")
+        if not 1 <= self.max_batch_size <= 10_000:
+            problems.append("max_batch_size: 1..10000")
+        if self.max_wait_ms < 0:
+            problems.append("max_wait_ms: 0 or more")
+        if self.result_ttl_days < 1:
+            problems.append("result_ttl_days: 1 or more")
         if not 1 <= self.max_attempts <= 1000:
             problems.append("max_attempts: 1..1000 (it is also the queues' maxReceiveCount)")
         if not 0 <= self.min_workers <= self.max_workers:

@@ -32,27 +32,29 @@ class Settings(BaseSettings):
     # "table": hashed keys in the keys table (embedded, on-prem).
     # "apigateway": API Gateway already checked the key; tenant = its key id.
     auth_mode: Literal["table", "apigateway"] = "table"
-    key_cache_s: float = Field(default=10.0, description="A revoked key stops working within this time.")
+    key_cache_s: float = Field(default=10.0, ge=0, description="A revoked key stops working within this time.")
 
-    inline_payload_max_bytes: int = 64 * 1024
-    inline_result_max_bytes: int = 32 * 1024
-    max_body_bytes: int = 1024 * 1024
-    presign_expiry_s: int = 3600
-    result_ttl_days: int = 7
-    backlog_cap: int = Field(default=100_000, description="Per priority; past it submits get 429.")
-    rate_limit_per_s: float = Field(default=0, description="Per API key; 0 disables (AWS uses usage plans).")
-    rate_limit_burst: int = 200
+    # A value out of range fails at start-up, naming the variable, rather than
+    # as every task failing later (a batch size of 0, a wait SQS refuses).
+    inline_payload_max_bytes: int = Field(default=64 * 1024, ge=0)
+    inline_result_max_bytes: int = Field(default=32 * 1024, ge=0)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    presign_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's limit
+    result_ttl_days: int = Field(default=7, ge=1)
+    backlog_cap: int = Field(default=100_000, ge=1, description="Per priority; past it submits get 429.")
+    rate_limit_per_s: float = Field(default=0, ge=0, description="Per API key; 0 disables (AWS uses usage plans).")
+    rate_limit_burst: int = Field(default=200, ge=1)
 
     # Worker
     models: str = Field(default="minilm-embed,synthetic", description="Comma-separated model names.")
-    max_batch_size: int = 32
-    max_wait_ms: int = 10
-    priority_weights: str = Field(default="high=6,normal=3,low=1")
-    visibility_timeout_s: int = 60
+    max_batch_size: int = Field(default=32, ge=1)
+    max_wait_ms: int = Field(default=10, ge=0)
+    priority_weights: str = Field(default="high=6,normal=3,low=1", pattern=r"^(\s*(high|normal|low)\s*=\s*[0-9]+\s*(,|$))*$")
+    visibility_timeout_s: int = Field(default=60, ge=1, le=12 * 3600)  # SQS's limits
     max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
-    receive_wait_s: int = 1
+    receive_wait_s: int = Field(default=1, ge=0, le=20)  # SQS's long-poll limits
     device: str = Field(default="auto", description="auto | cpu | cuda")
-    torch_threads: int = 0
+    torch_threads: int = Field(default=0, ge=0)
 
     def queue_url_override(self, priority: Priority) -> str | None:
         return getattr(self, f"queue_url_{priority.value}")
@@ -61,7 +63,7 @@ class Settings(BaseSettings):
         return f"{self.queue_prefix}-{priority.value}{'-dlq' if dlq else ''}"
 
     def weights(self) -> dict[Priority, int]:
-        parsed = dict(part.split("=") for part in self.priority_weights.split(",") if part)
+        parsed = dict(map(str.strip, part.split("=")) for part in self.priority_weights.split(",") if part.strip())
         return {p: max(1, int(parsed.get(p.value, 1))) for p in Priority}
 
     def model_names(self) -> list[str]:

@@ -50,6 +50,9 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"dispatcher_max_concurrency": {"high": 1, "normal": 2, "low": 2}}, "dispatcher_max_concurrency"),
         ({"oldest_message_slo_s": {"high": 1}}, "oldest_message_slo_s"),
         ({"max_attempts": 0}, "max_attempts"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_wait_ms": -5}, "max_wait_ms"),
+        ({"result_ttl_days": 0}, "result_ttl_days"),
         ({"no_such_option": 1}, "unknown"),
     ],
 )
