@@ -33,7 +33,7 @@ _clients: dict[tuple, object] = {}
 def client_config(settings: Settings) -> Config:
     custom_s3_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return Config(
-        region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or settings.region,
+        region_name=_region(settings),
         retries={"mode": "standard", "max_attempts": 3},
         user_agent=_USER_AGENT,
         parameter_validation=False,
@@ -45,6 +45,17 @@ def client_config(settings: Settings) -> Config:
         # Emulators serve buckets by path, not by virtual host.
         s3={"addressing_style": "path"} if custom_s3_endpoint else {},
     )
+
+
+def _region(settings: Settings) -> str:
+    """AWS_REGION, AWS_DEFAULT_REGION, SLUICE_REGION, the profile's region, then us-east-1."""
+    chosen = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if chosen:
+        return chosen
+    if "region" in settings.model_fields_set:
+        return settings.region
+    # An operator running the CLI with a profile (~/.aws/config) means its region.
+    return boto3.session.Session().region_name or settings.region
 
 
 def _ask_keep_alive(request, **_) -> None:

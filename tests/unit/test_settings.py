@@ -33,3 +33,33 @@ def test_a_value_out_of_range_is_refused_naming_it(monkeypatch, name, value):
 def test_priority_weights_may_be_spaced_and_partial(monkeypatch):
     monkeypatch.setenv("SLUICE_PRIORITY_WEIGHTS", "high = 8, low=2")
     assert Settings().weights() == {Priority.high: 8, Priority.normal: 1, Priority.low: 2}
+
+
+@pytest.mark.parametrize(
+    ("env", "region"),
+    [
+        ({"AWS_REGION": "eu-west-1", "SLUICE_REGION": "ap-south-1"}, "eu-west-1"),
+        ({"SLUICE_REGION": "ap-south-1"}, "ap-south-1"),
+        ({}, "eu-north-1"),  # the profile's, as any AWS tool would use
+    ],
+)
+def test_the_region_follows_aws_conventions(monkeypatch, tmp_path, env, region):
+    from sluice.aws import client_config
+
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "SLUICE_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "config"
+    config.write_text("[default]\nregion = eu-north-1\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert client_config(Settings()).region_name == region
+
+
+def test_without_any_region_it_is_us_east_1(monkeypatch, tmp_path):
+    from sluice.aws import client_config
+
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "SLUICE_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert client_config(Settings()).region_name == "us-east-1"
