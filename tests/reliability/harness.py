@@ -368,9 +368,9 @@ def running_stack(log_dir: Path, workers: int = 2, env: dict[str, str] | None = 
                   tenant: str = "rel"):
     """The embedded stack as real processes: moto, the API, `workers` workers.
     With proxy=True every service process reaches moto through a TcpProxy."""
-    # SQS on moto too, whatever SLUICE_EMBEDDED_SQS says: one emulator behind
-    # the proxy, one endpoint for the Inspector.
-    stack = Stack(api_port=free_port(), workers=0, log_dir=log_dir, sqs="moto",
+    # SQS and DynamoDB on moto, whatever SLUICE_EMBEDDED_SQS and _DDB say: one
+    # emulator behind the proxy, one endpoint for the Inspector.
+    stack = Stack(api_port=free_port(), workers=0, log_dir=log_dir, sqs="moto", ddb="moto",
                   env_overrides={**SYNTHETIC_ENV, **(env or {})})
     LOG_DIRS.append(log_dir)
     relay = None
