@@ -27,14 +27,16 @@ CATALOGUE: dict[str, ModelSpec] = {
             name="minilm-embed",
             version="all-MiniLM-L6-v2",
             max_batch_size=64,
-            description="Sentence embeddings: 384 dims, mean pooled, L2-normalized.",
+            description="Sentence embeddings: 384 dims, mean pooled, L2-normalized. Reads the first 256 word pieces "
+            "of an input (about 1,000 characters of English); the rest is ignored.",
             factory="models.minilm:MiniLMEmbed",
         ),
         ModelSpec(
             name="synthetic",
             version="1",
             max_batch_size=256,
-            description="Costs a + b*n ms per batch; fails on inputs containing '!fail'. For load and fault tests.",
+            description="Costs a + b*n ms per batch; refuses inputs containing '!fail' and crashes on '!crash'. "
+            "For load and fault tests.",
             factory="models.synthetic:SyntheticModel",
         ),
     )
