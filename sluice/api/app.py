@@ -240,7 +240,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         checks = {}
         for name, probe in (
             ("tasks_table", lambda: client("dynamodb", settings).describe_table(TableName=settings.tasks_table)),
-            ("queues", lambda: [service.queues.url(p) for p in Priority]),
+            # A call to each queue: its URL is cached after the first lookup.
+            ("queues", lambda: [service.queues.depth(p) for p in Priority]),
             ("bucket", lambda: client("s3", settings).head_bucket(Bucket=settings.bucket)),
         ):
             try:

@@ -23,6 +23,14 @@ def nothing_recorded(settings) -> bool:
     return items == 0 and visible == 0
 
 
+def test_ready_notices_a_queue_that_is_gone(api, settings):
+    assert api.get("/ready").status_code == 200  # every queue's URL is now known
+    sqs = aws_client("sqs", settings)
+    sqs.delete_queue(QueueUrl=sqs.get_queue_url(QueueName=settings.queue_name(Priority.low))["QueueUrl"])
+    ready = api.get("/ready")
+    assert ready.status_code == 503 and ready.json()["checks"]["queues"] != "ok", ready.text
+
+
 def test_health_needs_no_key_and_ready_checks_dependencies(api):
     assert api.get("/health").json() == {"status": "ok"}
     ready = api.get("/ready")
