@@ -6,8 +6,12 @@ core for SQS (SLUICE_EMBEDDED_SQS=localstack) and dynalite for DynamoDB
 them (docs/benchmarks.md has the figures behind each). Creates queues, tables and
 the bucket, registers a demo API key, then runs the API and the workers with
 the same entrypoints the container images use (containers/*/main.py), as
-processes. Ctrl-C or SIGTERM stops workers first (they finish their batch),
-then the API, then the emulator.
+processes. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops workers first
+(they finish their batch), then the API, then the emulator: the children run in
+sessions of their own, so nothing else would stop them. A worker that exits is
+restarted after a delay that doubles with each exit in a row (1 s, 2 s, ... 30 s);
+one that exits WORKER_RESTART_LIMIT times in a row without becoming ready ends
+the launcher with an error, rather than restarting forever.
 """
 
 from __future__ import annotations
@@ -22,12 +26,49 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("SLUICE_STATE_DIR", ROOT / ".sluice"))
 STATE_FILE = STATE_DIR / "embedded.json"
+
+# A worker that exits is started again after WORKER_BACKOFF_S, doubled for each
+# exit in a row, at most WORKER_BACKOFF_MAX_S. One that became ready (its log
+# says so, or it ran WORKER_READY_AFTER_S) starts a new row. After
+# WORKER_RESTART_LIMIT exits in a row the launcher gives up: the cause is in the
+# worker's log, and restarting cannot fix it.
+WORKER_RESTART_LIMIT = 5
+WORKER_BACKOFF_S = 1.0
+WORKER_BACKOFF_MAX_S = 30.0
+WORKER_READY_AFTER_S = 60.0
+WORKER_READY_LINE = b"worker ready"
+
+
+def say(*args, **kwargs) -> None:
+    """print(), except that a closed terminal (SIGHUP: writes fail with EIO) or a
+    closed pipe must not keep the launcher from stopping its children."""
+    try:
+        print(*args, **kwargs, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not listen on host:port now. SO_REUSEADDR, as
+    uvicorn sets it: a closed connection's TIME_WAIT does not count."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class PortInUse(RuntimeError):
+    pass
 
 
 def free_port() -> int:
@@ -137,6 +178,9 @@ class Stack:
     env_overrides: dict[str, str] = field(default_factory=dict)
     log_dir: Path = STATE_DIR / "logs"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # Per process: where its log stood when it was started, and when, so that
+    # only what this run of it wrote counts (the logs are appended to).
+    spawned: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -161,13 +205,39 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")
-        # Own process group: Ctrl-C in the terminal reaches the launcher only,
-        # which then stops each child in order.
-        proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            offset = log.tell()
+            # Own session: Ctrl-C in the terminal, or the terminal closing, reaches
+            # the launcher only, which then stops each child in order.
+            proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
+        self.spawned[name] = (offset, time.monotonic())
         return proc
+
+    def log_since_start(self, name: str) -> bytes:
+        offset, _ = self.spawned.get(name, (0, 0.0))
+        try:
+            with open(self.log_dir / f"{name}.log", "rb") as log:
+                log.seek(offset)
+                return log.read()
+        except OSError:
+            return b""
+
+    def became_ready(self, name: str) -> bool:
+        """Whether this run of a worker got as far as serving: its ready line, or
+        (a log level above INFO hides the line) a run of WORKER_READY_AFTER_S."""
+        _, started = self.spawned.get(name, (0, time.monotonic()))
+        return WORKER_READY_LINE in self.log_since_start(name) or time.monotonic() - started >= WORKER_READY_AFTER_S
+
+    @property
+    def api_host(self) -> str:
+        return self.env().get("SLUICE_HOST", "127.0.0.1")
+
+    def check_api_port(self) -> None:
+        if port_in_use(self.api_host, self.api_port):
+            raise PortInUse(f"port {self.api_port} on {self.api_host} is already in use (another `make run`?): "
+                            f"stop what listens there, or choose another port with --port N or SLUICE_PORT=N")
 
     def start_emulator(self) -> None:
         self.emulator_port = self.emulator_port or free_port()
@@ -220,19 +290,32 @@ class Stack:
             os.environ.update(saved)
 
     def start_api(self) -> None:
+        self.check_api_port()  # again: the emulator's start left time for another server to take it
         proc = self._spawn("api", [sys.executable, "containers/api/main.py"])
         wait_http(f"{self.url}/health", 60, alive=proc)
+        self.check_alive("api")
+
+    def check_alive(self, name: str) -> None:
+        """An answer on the API's port proves little if the API itself has exited:
+        another server may hold the port."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = self.log_since_start(name).decode(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"{name} exited with {proc.returncode} although {self.url} answers "
+                               f"(another server on port {self.api_port}?): {' | '.join(tail)}")
 
     def start_worker(self, index: int) -> subprocess.Popen:
         return self._spawn(f"worker-{index}", [sys.executable, "containers/worker/main.py"])
 
     def start(self) -> None:
+        self.check_api_port()  # before anything is started
         self.start_emulator()
         self.bootstrap()
         self.start_api()
         for i in range(self.workers):
             self.start_worker(i)
-        wait_http(f"{self.url}/ready", 30)
+        wait_http(f"{self.url}/ready", 30, alive=self.procs["api"])
+        self.check_alive("api")
 
     def stop_process(self, name: str, timeout_s: float = 30) -> int | None:
         proc = self.procs.get(name)
@@ -265,9 +348,52 @@ class Stack:
         STATE_FILE.chmod(0o600)
 
 
+@dataclass
+class _Restarts:
+    exits: int = 0  # in a row, without becoming ready in between
+    due: float | None = None  # when the next start is due, while one is pending
+
+
+def supervise(stack: Stack, should_stop: Callable[[], bool], restart_limit: int = WORKER_RESTART_LIMIT,
+              backoff_s: float = WORKER_BACKOFF_S, backoff_max_s: float = WORKER_BACKOFF_MAX_S,
+              poll_s: float = 0.2) -> int:
+    """Watch the stack's processes until should_stop(): restart exited workers with
+    exponential backoff. Returns 0 when told to stop, 1 when the emulator or the API
+    exits, or a worker exits restart_limit times in a row without becoming ready."""
+    restarts: dict[str, _Restarts] = {}
+    while not should_stop():
+        now = time.monotonic()
+        for name, proc in list(stack.procs.items()):
+            if not name.startswith("worker"):
+                if proc.poll() is not None:
+                    say(f"{name} exited with {proc.returncode}; see {stack.log_dir}/{name}.log")
+                    return 1
+                continue
+            state = restarts.setdefault(name, _Restarts())
+            if state.due is not None:
+                if now >= state.due:
+                    state.due = None
+                    stack.start_worker(int(name.split("-")[1]))
+                continue
+            if proc.poll() is None:
+                continue
+            if stack.became_ready(name):
+                state.exits = 0
+            state.exits += 1
+            if state.exits >= restart_limit:
+                say(f"{name} exited {state.exits} times in a row without becoming ready (last exit status "
+                    f"{proc.returncode}); not restarting it again. Its log: {stack.log_dir}/{name}.log", file=sys.stderr)
+                return 1
+            delay = min(backoff_s * 2 ** (state.exits - 1), backoff_max_s)
+            say(f"{name} exited with {proc.returncode}; restarting it in {delay:g}s")
+            state.due = now + delay
+        time.sleep(poll_s)
+    return 0
+
+
 def print_banner(stack: Stack, key: str) -> None:
     url = stack.url
-    print(
+    say(
         f"""
 Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: LocalStack on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
 API docs: {url}/docs      logs: {stack.log_dir}/
@@ -282,7 +408,6 @@ Demo API key (tenant "demo"): {key}
 
 Ctrl-C stops everything.
 """,
-        flush=True,
     )
 
 
@@ -298,38 +423,37 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(api_port=args.port, workers=args.workers, sqs=default_sqs(), ddb=default_ddb(),
                   env_overrides=rate_limit)
     stopping = False
+    wrote_state = False
 
     def on_signal(*_):
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGHUP too: a closed terminal must not leave the emulator, API and workers
+    # running, each in its own session, with nothing left to stop them.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
-        print(f"starting emulator, API on 127.0.0.1:{args.port} and {args.workers} workers ...", flush=True)
+        say(f"starting emulator, API on 127.0.0.1:{args.port} and {args.workers} workers ...")
         stack.start()
         key = stack.create_key("demo", os.environ.get("SLUICE_API_KEY") or None)
         stack.write_state(key)
-        print_banner(stack, key)
-        while not stopping:
-            for name, proc in list(stack.procs.items()):
-                if proc.poll() is not None and not stopping:
-                    if name.startswith("worker"):
-                        print(f"{name} exited with {proc.returncode}; restarting it", flush=True)
-                        stack.start_worker(int(name.split("-")[1]))
-                    else:
-                        print(f"{name} exited with {proc.returncode}; see {stack.log_dir}/{name}.log", flush=True)
-                        return 1
-            time.sleep(0.2)
-        return 0
+        wrote_state = True
+        if not stopping:
+            print_banner(stack, key)
+        return supervise(stack, lambda: stopping)
+    except PortInUse as exc:
+        say(f"start-up failed: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
-        print(f"start-up failed: {exc}; logs in {stack.log_dir}/", file=sys.stderr, flush=True)
+        say(f"start-up failed: {exc}; logs in {stack.log_dir}/", file=sys.stderr)
         return 1
     finally:
-        print("stopping workers, API and emulator ...", flush=True)
+        say("stopping workers, API and emulator ...")
         stack.stop()
-        STATE_FILE.unlink(missing_ok=True)
-        print("stopped.", flush=True)
+        if wrote_state:  # never another launcher's (the one holding the port, say)
+            STATE_FILE.unlink(missing_ok=True)
+        say("stopped.")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Create the queues, tables and bucket if they are missing (embedded and on-prem
-profiles; on AWS the CDK stack owns them). Safe to run any number of times."""
+profiles; on AWS the CDK stack owns them). Safe to run any number of times, and
+by several processes at once (the on-prem API and workers run it as they start)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 
 from botocore.exceptions import ClientError
 
@@ -11,12 +14,27 @@ from sluice.aws import client
 from sluice.contract import Priority
 from sluice.settings import Settings
 
+log = logging.getLogger("sluice.bootstrap")
+
 
 def ensure_resources(settings: Settings) -> dict[str, str]:
     urls = ensure_queues(settings)
     ensure_tables(settings)
     ensure_bucket(settings)
     return urls
+
+
+def ensure_resources_on_start() -> None:
+    """The on-prem containers' first step when SLUICE_BOOTSTRAP_ON_START=1 (set by
+    onprem/compose.yaml only). LocalStack keeps everything in memory, and after a
+    host reboot Docker restarts the containers without the compose `init` step:
+    the API and the workers then create what is missing themselves. A failure
+    ends the process, and its restart policy tries again. Elsewhere (AWS, where
+    the stack owns the resources and the roles may not create them) it does nothing."""
+    if os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() not in ("1", "true"):
+        return
+    ensure_resources(Settings())
+    log.info("queues, tables and bucket are in place")
 
 
 def ensure_queues(settings: Settings) -> dict[str, str]:
@@ -60,10 +78,11 @@ def ensure_tables(settings: Settings) -> None:
                 KeySchema=[{"AttributeName": key, "KeyType": "HASH"}],
                 BillingMode="PAY_PER_REQUEST",
             )
-            ddb.get_waiter("table_exists").wait(TableName=table, WaiterConfig={"Delay": 0.2, "MaxAttempts": 50})
         except ClientError as err:
             if err.response["Error"]["Code"] != "ResourceInUseException":
                 raise
+        # Also when another process created it a moment ago: its TTL is set next.
+        ddb.get_waiter("table_exists").wait(TableName=table, WaiterConfig={"Delay": 0.2, "MaxAttempts": 50})
     try:
         ddb.update_time_to_live(
             TableName=settings.tasks_table,
@@ -76,9 +95,57 @@ def ensure_tables(settings: Settings) -> None:
             raise
 
 
+# What Sluice writes, by prefix (sluice/adapters/payload_store.py). The rules
+# name these prefixes only: an existing bucket may hold other objects.
+PAYLOAD_PREFIXES = ("inputs/", "results/")
+
+
 def ensure_bucket(settings: Settings) -> None:
     s3 = client("s3", settings)
     try:
         s3.head_bucket(Bucket=settings.bucket)
     except ClientError:
-        s3.create_bucket(Bucket=settings.bucket)
+        try:
+            s3.create_bucket(Bucket=settings.bucket)
+        except ClientError as err:
+            if err.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":  # another process made it meanwhile
+                raise
+    ensure_lifecycle(s3, settings)
+
+
+def lifecycle_rules(settings: Settings) -> list[dict]:
+    """Payloads live as long as their task record (its TTL), as in the CDK stack."""
+    return [
+        {
+            "ID": f"sluice-expire-{prefix.rstrip('/')}",
+            "Filter": {"Prefix": prefix},
+            "Status": "Enabled",
+            "Expiration": {"Days": settings.result_ttl_days},
+            # No AbortIncompleteMultipartUpload, unlike the CDK rule: Sluice makes
+            # no multipart uploads, and MinIO refuses or drops that element.
+        }
+        for prefix in PAYLOAD_PREFIXES
+    ]
+
+
+def ensure_lifecycle(s3, settings: Settings) -> None:
+    """Sluice's expiry rules on the bucket, keeping any other rule it has. A store
+    without lifecycle support gets a warning, not a failed bootstrap: Sluice runs
+    the same without it, only its payloads are never deleted."""
+    ours = lifecycle_rules(settings)
+    try:
+        try:
+            existing = s3.get_bucket_lifecycle_configuration(Bucket=settings.bucket)["Rules"]
+        except ClientError as err:
+            if err.response["Error"]["Code"] != "NoSuchLifecycleConfiguration":
+                raise
+            existing = []
+        kept = [rule for rule in existing if rule.get("ID") not in {r["ID"] for r in ours}]
+        if all(rule in existing for rule in ours):
+            return
+        s3.put_bucket_lifecycle_configuration(Bucket=settings.bucket, LifecycleConfiguration={"Rules": kept + ours})
+    except ClientError as err:
+        error = err.response.get("Error", {})
+        log.warning("bucket %s: could not set its lifecycle rules (%s: %s); stored inputs and results "
+                    "will not expire after %d days, delete them from the store yourself",
+                    settings.bucket, error.get("Code"), error.get("Message"), settings.result_ttl_days)

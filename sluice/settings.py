@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     inline_result_max_bytes: int = Field(default=32 * 1024, ge=0)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     presign_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's limit
+    # Only presigned result URLs name this endpoint; every S3 call still goes to
+    # AWS_ENDPOINT_URL_S3. On-prem the API reaches MinIO as http://minio:9000,
+    # a name no client outside the Docker network can resolve. Unset (AWS): URLs
+    # name the endpoint the API uses.
+    s3_public_endpoint: str | None = Field(
+        default=None, description="Endpoint that presigned result URLs name, e.g. http://10.0.0.5:9000.")
     result_ttl_days: int = Field(default=7, ge=1)
     backlog_cap: int = Field(default=100_000, ge=1, description="Per priority; past it submits get 429.")
     rate_limit_per_s: float = Field(default=0, ge=0, description="Per API key; 0 disables (AWS uses usage plans).")

@@ -2,7 +2,9 @@
 
 import sys
 
+from sluice.bootstrap import ensure_resources_on_start
 from sluice.worker.main import main
 
 if __name__ == "__main__":
+    ensure_resources_on_start()  # on-prem Compose only (SLUICE_BOOTSTRAP_ON_START=1)
     sys.exit(main())

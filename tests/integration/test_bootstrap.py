@@ -2,11 +2,15 @@
 
 import json
 
+import logging
+
 import boto3
 import pytest
+from botocore.client import BaseClient
+from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from sluice.bootstrap import ensure_queues
+from sluice.bootstrap import ensure_bucket, ensure_queues, ensure_resources
 from sluice.contract import Priority
 from sluice.settings import Settings
 
@@ -33,3 +37,36 @@ def test_each_queue_dead_letters_after_max_attempts_receives_even_when_it_change
 def test_max_attempts_outside_what_a_redrive_policy_takes_is_refused(bad):
     with pytest.raises(ValidationError, match="max_attempts"):
         Settings(max_attempts=bad)
+
+
+def expiry(settings: Settings) -> dict[str, tuple[int, str]]:
+    rules = boto3.client("s3").get_bucket_lifecycle_configuration(Bucket=settings.bucket)["Rules"]
+    return {rule["Filter"].get("Prefix", ""): (rule.get("Expiration", {}).get("Days"), rule["Status"]) for rule in rules}
+
+
+def test_stored_payloads_expire_after_result_ttl_days_as_on_aws(settings):
+    # The CDK bucket expires objects after result_ttl_days (cdk/storage_construct.py).
+    assert expiry(settings) == {"inputs/": (7, "Enabled"), "results/": (7, "Enabled")}
+    s3 = boto3.client("s3")
+    # An operator's own rule on a shared bucket survives; ours follow the setting.
+    current = s3.get_bucket_lifecycle_configuration(Bucket=settings.bucket)["Rules"]
+    operator = {"ID": "operator-logs", "Filter": {"Prefix": "logs/"}, "Status": "Enabled", "Expiration": {"Days": 30}}
+    s3.put_bucket_lifecycle_configuration(Bucket=settings.bucket, LifecycleConfiguration={"Rules": [*current, operator]})
+    three = settings.model_copy(update={"result_ttl_days": 3})
+    ensure_bucket(three)
+    ensure_bucket(three)  # idempotent: no rule twice
+    assert expiry(settings) == {"inputs/": (3, "Enabled"), "results/": (3, "Enabled"), "logs/": (30, "Enabled")}
+
+
+def test_a_store_without_lifecycle_support_only_warns(settings, monkeypatch, caplog):
+    real = BaseClient._make_api_call
+
+    def refusing(client, operation, params):
+        if operation == "PutBucketLifecycleConfiguration":
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "not supported"}}, operation)
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", refusing)
+    with caplog.at_level(logging.WARNING, logger="sluice.bootstrap"):
+        ensure_resources(settings.model_copy(update={"result_ttl_days": 2}))
+    assert "NotImplemented" in caplog.text and "will not expire" in caplog.text

@@ -2,6 +2,7 @@
 
 import json
 import urllib.request
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -152,3 +153,32 @@ def test_payloads_round_trip_and_presigned_url_serves_the_object(settings):
     assert store.get_json(key) == {"embeddings": [[0.5]]}
     with urllib.request.urlopen(store.presigned_get(key), timeout=5) as response:
         assert json.loads(response.read()) == {"embeddings": [[0.5]]}
+
+
+def test_without_a_public_endpoint_urls_name_the_endpoint_in_use(settings, moto_endpoint):
+    # AWS leaves SLUICE_S3_PUBLIC_ENDPOINT unset: one client signs and calls, as before.
+    store = PayloadStore(settings)
+    assert settings.s3_public_endpoint is None and store.signer is store.s3
+    url = urlsplit(store.presigned_get(store.result_key("acme", "t")))
+    assert f"{url.scheme}://{url.netloc}" == moto_endpoint
+
+
+def test_a_public_endpoint_changes_only_the_presigned_urls(settings, moto_endpoint):
+    # On-prem the API reaches MinIO as http://minio:9000; clients reach the host's
+    # published port. `.invalid` never resolves, so a put or get sent there fails.
+    public = settings.model_copy(update={"s3_public_endpoint": "http://s3.public.invalid:9000"})
+    store = PayloadStore(public)
+    key = store.result_key("acme", "task-public")
+    store.put_json(key, json.dumps({"ok": 1}).encode())
+    assert store.get_json(key) == {"ok": 1}  # both went to the real endpoint
+    url = urlsplit(store.presigned_get(key))
+    assert (url.scheme, url.netloc) == ("http", "s3.public.invalid:9000")
+    assert url.path == f"/{settings.bucket}/{key}"  # path style, as MinIO needs
+    assert "X-Amz-Signature=" in url.query
+    # Another name for the same server: the URL it signs serves the object.
+    port = urlsplit(moto_endpoint).port
+    store = PayloadStore(settings.model_copy(update={"s3_public_endpoint": f"http://localhost:{port}"}))
+    url = store.presigned_get(key)
+    assert url.startswith(f"http://localhost:{port}/{settings.bucket}/")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert json.loads(response.read()) == {"ok": 1}

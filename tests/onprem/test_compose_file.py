@@ -8,6 +8,7 @@ vendored so the check runs offline.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from pathlib import Path
@@ -24,23 +25,42 @@ WORKERS = ["worker-0", "worker-1", "worker-2", "worker-3"]
 SLUICE_SERVICES = ["init", "api", *WORKERS]
 ENDPOINTS = ["AWS_ENDPOINT_URL_SQS", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_ENDPOINT_URL_CLOUDWATCH", "AWS_ENDPOINT_URL_S3"]
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^${}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^${}]*))?\}")
+# Variables that hold a secret: none may have a default, which anyone can read here.
+SECRET = re.compile(r"SECRET|PASSWORD|TOKEN")
+# The least a fresh checkout must set (compose refuses to start without them).
+REQUIRED = {"SLUICE_S3_SECRET_KEY": "a-test-secret-0123"}
+
+
+class MissingVariable(Exception):
+    pass
 
 
 def interpolate(text: str, values: dict[str, str]) -> str:
-    """Compose's ${VAR} and ${VAR:-default}, innermost first so nested defaults work."""
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} (unset or empty refuses
+    to start, with the error), innermost first so nested defaults work."""
+
+    def one(match: re.Match) -> str:
+        name, operator, argument = match.groups()
+        if operator and operator.endswith("?"):
+            if not values.get(name):
+                raise MissingVariable(f"required variable {name} is missing a value: {argument}")
+            return values[name]
+        return values.get(name) or (argument or "")
+
     while True:
-        new = _VAR.sub(lambda m: values.get(m.group(1)) or (m.group(2) or ""), text)
+        new = _VAR.sub(one, text)
         if new == new.replace("${", "") or new == text:
             return new
         text = new
 
 
-def variables(text: str) -> dict[str, str]:
-    """Each ${VAR:-default} used, with its default as written (it may nest another)."""
-    found: dict[str, str] = {}
-    for name, default in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}", text):
-        found.setdefault(name, default)
+def variables(text: str) -> dict[str, str | None]:
+    """Each ${VAR:-default} used, with its default as written (it may nest another);
+    None for a required ${VAR:?error}."""
+    found: dict[str, str | None] = {}
+    for name, operator, argument in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}", text):
+        found.setdefault(name, None if operator.endswith("?") else argument)
     return found
 
 
@@ -64,16 +84,16 @@ def validate(document: dict) -> None:
 
 @pytest.mark.parametrize("how", ["raw", "defaults", "env-example"])
 def test_matches_the_compose_specification(how):
-    document = load() if how == "raw" else load({} if how == "defaults" else env_example())
+    document = load() if how == "raw" else load(REQUIRED if how == "defaults" else {**env_example(), **REQUIRED})
     validate(document)
 
 
 def test_the_schema_check_rejects_a_broken_file():
-    broken = load({})
+    broken = load(REQUIRED)
     broken["services"]["api"]["deploy"] = {"resources": {"reservations": {"devices": [{"count": "one"}]}}}
     with pytest.raises(jsonschema.ValidationError):
         validate(broken)
-    broken = load({})
+    broken = load(REQUIRED)
     broken["services"]["api"]["not_a_key"] = 1
     with pytest.raises(jsonschema.ValidationError):
         validate(broken)
@@ -89,15 +109,61 @@ def test_env_example_lists_every_variable_with_the_compose_default():
             assert example[name] == default, f"{name}: .env.example {example[name]!r} vs compose default {default!r}"
 
 
-def test_every_variable_has_a_default_so_no_env_file_is_needed():
+def test_every_variable_but_the_secret_has_a_default():
     text = COMPOSE.read_text()
     bare = [m.group(0) for m in re.finditer(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", text)]
     assert bare == []
-    assert "${" not in json.dumps(load({}))
+    assert [name for name, default in variables(text).items() if default is None] == list(REQUIRED)
+    assert "${" not in json.dumps(load(REQUIRED))
+
+
+def test_no_secret_has_a_default_and_compose_refuses_to_start_without_it():
+    used = variables(COMPOSE.read_text())
+    secrets = {name for name in used if SECRET.search(name)}
+    assert "SLUICE_S3_SECRET_KEY" in secrets
+    for name in secrets:
+        # Required (${VAR:?...}), or optional and empty (LOCALSTACK_AUTH_TOKEN: only newer tags need one).
+        assert not used[name], f"{name} has the default {used[name]!r}, readable by anyone with this file"
+        assert env_example()[name] == "", f".env.example gives {name} a value that copies would keep"
+    for env in ({}, env_example()):
+        with pytest.raises(MissingVariable, match="SLUICE_S3_SECRET_KEY"):
+            load(env)
+    services = load(REQUIRED)["services"]
+    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == REQUIRED["SLUICE_S3_SECRET_KEY"]
+    for name in SLUICE_SERVICES:
+        assert services[name]["environment"]["AWS_SECRET_ACCESS_KEY"] == REQUIRED["SLUICE_S3_SECRET_KEY"]
+
+
+def published(service: dict) -> list[tuple[str, str, str]]:
+    """(host IP, host port, container port) of each short-syntax port; the host IP
+    is "" when the port is published on every interface."""
+    out = []
+    for entry in service.get("ports", []):
+        assert isinstance(entry, str), entry
+        parts = entry.rsplit(":", 2)
+        out.append(("" if len(parts) < 3 else parts[0].strip("[]"), *parts[-2:]))
+    return out
+
+
+@pytest.mark.parametrize("how", ["defaults", "env-example"])
+def test_published_ports_bind_to_loopback_unless_told_otherwise(how):
+    services = load(REQUIRED if how == "defaults" else {**env_example(), **REQUIRED})["services"]
+    ports = {name: published(service) for name, service in services.items() if service.get("ports")}
+    assert set(ports) == {"api", "minio", "localstack"}
+    for name, entries in ports.items():
+        for host_ip, host_port, container_port in entries:
+            assert host_ip, f"{name} publishes {host_port} on every interface"
+            assert ipaddress.ip_address(host_ip).is_loopback, f"{name}: {host_ip}:{host_port}"
+    # SLUICE_PUBLISH_ADDRESS serves other machines: the API and MinIO's S3 port,
+    # never LocalStack (no authentication) or the MinIO console.
+    services = load({**REQUIRED, "SLUICE_PUBLISH_ADDRESS": "10.0.0.5"})["services"]
+    assert published(services["api"]) == [("10.0.0.5", "8000", "8000")]
+    assert published(services["minio"]) == [("10.0.0.5", "9000", "9000"), ("127.0.0.1", "9001", "9001")]
+    assert published(services["localstack"]) == [("127.0.0.1", "4566", "4566")]
 
 
 def test_one_gpu_per_worker_and_each_worker_its_own_gpu():
-    services = load({})["services"]
+    services = load(REQUIRED)["services"]
     gpus = []
     for name in WORKERS:
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -112,7 +178,7 @@ def test_one_gpu_per_worker_and_each_worker_its_own_gpu():
 
 
 def test_the_stack_emulates_sqs_dynamodb_cloudwatch_and_s3():
-    services = load({})["services"]
+    services = load(REQUIRED)["services"]
     localstack = services["localstack"]
     image, tag = localstack["image"].split(":")
     assert image == "localstack/localstack" and re.fullmatch(r"4\.\d+\.\d+", tag)
@@ -133,7 +199,7 @@ def test_the_stack_emulates_sqs_dynamodb_cloudwatch_and_s3():
 
 
 def test_init_bootstraps_before_api_and_workers_start():
-    services = load({})["services"]
+    services = load(REQUIRED)["services"]
     assert services["init"]["command"] == ["sluice", "bootstrap"]
     assert services["init"]["depends_on"]["localstack"]["condition"] == "service_healthy"
     assert services["init"]["depends_on"]["minio"] == {"condition": "service_healthy", "required": False}
@@ -142,18 +208,43 @@ def test_init_bootstraps_before_api_and_workers_start():
 
 
 def test_services_build_the_repository_images():
-    services = load({})["services"]
+    services = load(REQUIRED)["services"]
     for name, dockerfile in [("init", "containers/api/Dockerfile"), ("api", "containers/api/Dockerfile"),
                              *[(w, "containers/worker/Dockerfile") for w in WORKERS]]:
         build = services[name]["build"]
         assert (COMPOSE.parent / build["context"]).resolve() == ROOT
         assert (ROOT / build["dockerfile"]).is_file() and build["dockerfile"] == dockerfile
-    assert services["api"]["ports"] == ["8000:8000"]
+    assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
 
 
-def test_the_api_presigns_for_a_public_endpoint_when_one_is_given():
-    services = load({**env_example(), "SLUICE_S3_PUBLIC_ENDPOINT": "http://10.0.0.5:9000"})["services"]
-    assert services["api"]["environment"]["AWS_ENDPOINT_URL_S3"] == "http://10.0.0.5:9000"
-    assert services["worker-0"]["environment"]["AWS_ENDPOINT_URL_S3"] == "http://minio:9000"
-    services = load({"SLUICE_S3_ENDPOINT": "https://s3.example.internal"})["services"]
-    assert services["api"]["environment"]["AWS_ENDPOINT_URL_S3"] == "https://s3.example.internal"
+def test_only_presigned_urls_name_the_public_endpoint():
+    # Every S3 call, the API's included, goes to MinIO inside the Docker network;
+    # only the URLs handed to clients name an address they can reach.
+    def s3_endpoints(values):
+        services = load({**values, **REQUIRED})["services"]
+        assert all(services[n]["environment"]["AWS_ENDPOINT_URL_S3"] == services["api"]["environment"]["AWS_ENDPOINT_URL_S3"]
+                   for n in SLUICE_SERVICES)
+        assert all("SLUICE_S3_PUBLIC_ENDPOINT" not in services[n]["environment"] for n in ["init", *WORKERS])
+        return services["api"]["environment"]["AWS_ENDPOINT_URL_S3"], services["api"]["environment"]["SLUICE_S3_PUBLIC_ENDPOINT"]
+
+    # Default: MinIO's port as published on this host.
+    assert s3_endpoints({}) == ("http://minio:9000", "http://localhost:9000")
+    assert s3_endpoints(env_example()) == ("http://minio:9000", "http://localhost:9000")
+    assert s3_endpoints({"SLUICE_MINIO_PORT": "19000"}) == ("http://minio:9000", "http://localhost:19000")
+    assert s3_endpoints({**env_example(), "SLUICE_S3_PUBLIC_ENDPOINT": "http://10.0.0.5:9000"}) == (
+        "http://minio:9000", "http://10.0.0.5:9000")
+    # An existing store that clients reach as Sluice does.
+    assert s3_endpoints({"SLUICE_S3_ENDPOINT": "https://s3.example.internal"}) == (
+        "https://s3.example.internal", "https://s3.example.internal")
+
+
+def test_localstack_expires_task_records_and_restarts_heal_missing_resources():
+    services = load(REQUIRED)["services"]
+    # Task records carry a TTL; LocalStack deletes expired items only when told to.
+    assert services["localstack"]["environment"]["DYNAMODB_REMOVE_EXPIRED_ITEMS"] == "1"
+    # LocalStack keeps its state in memory and init runs once ("no" restart): the
+    # long-running services create whatever is missing as they start.
+    assert services["init"]["restart"] == "no"
+    for name in ["api", *WORKERS]:
+        assert services[name]["environment"]["SLUICE_BOOTSTRAP_ON_START"] == "1"
+        assert services[name]["restart"] == "unless-stopped"

@@ -168,3 +168,18 @@ def test_worker_pod_gets_one_gpu_runs_non_root_and_is_covered_by_the_pdb():
     assert pdb["spec"]["maxUnavailable"] == 1
     namespaces = {d["metadata"].get("namespace") for k, d in objects.items() if k[0] != "Namespace"}
     assert namespaces == {objects[("Namespace", "sluice")]["metadata"]["name"]}
+
+
+@pytest.mark.parametrize("name", SITES)
+def test_keda_alone_sets_the_worker_replica_count(name):
+    # A `replicas` in the manifest resets the scaled-out Deployment on every
+    # `kubectl apply`, which then fights KEDA (whose minReplicaCount covers it).
+    objects = site(name)
+    scaled = [d for d in objects.values() if d["kind"] == "ScaledObject"]
+    assert scaled
+    for doc in scaled:
+        target = doc["spec"]["scaleTargetRef"]
+        assert target.get("kind", "Deployment") == "Deployment"
+        deployment = objects[("Deployment", target["name"])]
+        assert "replicas" not in deployment["spec"], f"{target['name']} sets replicas; KEDA owns them"
+        assert "minReplicaCount" in doc["spec"]  # what the Deployment starts from

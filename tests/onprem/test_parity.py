@@ -68,6 +68,7 @@ class Stack:
         self.endpoints: dict[str, str] = {}
         self.api = self.worker = None
         self.api_url = ""
+        self.public_s3 = ""
         self.key = ""
 
     def base_env(self) -> dict[str, str]:
@@ -120,7 +121,11 @@ class Stack:
         self.key = self.run([str(BIN / "sluice"), "keys", "create", "--tenant", TENANT]).split()[-1]
 
         port = free_port()
-        api_env = {**self.image_env(API_DOCKERFILE), "SLUICE_HOST": "127.0.0.1", "SLUICE_PORT": str(port)}
+        # As in compose: the API reaches the store by one name (there minio:9000)
+        # and signs result URLs for the name clients use (there localhost:9000).
+        self.public_s3 = self.endpoints["s3"].replace("127.0.0.1", "localhost")
+        api_env = {**self.image_env(API_DOCKERFILE), "SLUICE_HOST": "127.0.0.1", "SLUICE_PORT": str(port),
+                   "SLUICE_S3_PUBLIC_ENDPOINT": self.public_s3}
         self.api = self.procs.start("api", image_command(cmd(API_DOCKERFILE)), api_env)
         self.api_url = f"http://127.0.0.1:{port}"
         wait_for(lambda: http_ok(f"{self.api_url}/health"), 60, "API /health", self.api)
@@ -254,8 +259,9 @@ def test_a_large_result_is_fetched_through_its_presigned_url(stack, api):
     view = wait_task(stack, api, accepted.json()["task_id"])
     assert view["status"] == "succeeded", view
     assert view["result"] is None and view["result_url"], view
-    assert view["result_url"].startswith(f"{stack.endpoints['s3']}/sluice-payloads/results/{TENANT}/")
-    # A plain GET, no AWS credentials: the signature in the URL is the authorization.
+    assert view["result_url"].startswith(f"{stack.public_s3}/sluice-payloads/results/{TENANT}/")
+    # A plain GET, no AWS credentials: the signature in the URL, made for the host
+    # the client names, is the authorization (SeaweedFS checks it, as MinIO does).
     with urllib.request.urlopen(view["result_url"], timeout=10) as response:
         body = response.read()
     assert len(body) > INLINE_RESULT_MAX
