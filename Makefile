@@ -65,8 +65,10 @@ onprem: install  ## images, compose, k8s checks and the on-prem parity suite
 synth: install  ## both stacks (SluiceEks, SluiceSageMaker) into cdk.out/, offline, no Docker
 	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 $(PY) app.py
 
-# Not part of `make test`: ~12 minutes on 2 cores, loopback only. Figures and
-# the command behind each: docs/benchmarks.md. The peers venv is best effort.
+# Not part of `make test`: about 8 minutes on 2 cores, loopback only. Figures and
+# the command behind each: docs/benchmarks.md. The peers venv is best effort,
+# but a peer that cannot run is reported as failed and fails the run.
+# BENCH_ARGS="--only worker --quick" runs part of it (the plots stay as they are).
 bench: install  ## the benchmark suite into bench/results/ and docs/bench-*.png
 	$(PIP) install -q -e '.[bench]'
 	bash bench/setup_peers.sh

@@ -1,10 +1,15 @@
 """Run the benchmark suite and write the plots: `make bench` or
 
-    .venv/bin/python -m bench [--quick] [--only api,worker,...]
+    .venv/bin/python -m bench [--quick] [--only api,worker,...] [--plots]
 
-Results land in bench/results/*.json (one file per benchmark, with the time it
-ran), plots in docs/bench-*.png. Bounded: every benchmark has its own limits and
-the whole suite takes ~12 minutes on 2 cores (--quick: ~5)."""
+Results land in bench/results/*.json (or $SLUICE_BENCH_RESULTS; one file per
+benchmark, with the time it ran). The plots (docs/bench-*.png) are redrawn from
+those results after a full run only (no --only, no --quick), or with --plots:
+a partial run would otherwise draw last run's figures beside this one's.
+Bounded: every benchmark has its own limits; the whole suite takes about 8
+minutes on 2 cores (7-8 in the runs docs/benchmarks.md reports). A benchmark
+whose result is not a clean measurement (a drain cut off, a peer that failed)
+saves it with its "problems" and counts as failed: the exit code is then 1."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import time
 import traceback
 
 from bench import api, e2e, emulators, gpu, priorities, sdk, startup, worker
-from bench.common import ROOT, RESULTS, log, machine, save
+from bench.common import ROOT, RESULTS, BenchProblems, log, machine, save
 
 SUITE = {
     "emulators": emulators.main,
@@ -79,12 +84,17 @@ def plots() -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="", help="comma-separated: " + ",".join(SUITE))
-    p.add_argument("--plots-only", action="store_true")
+    p.add_argument("--plots", action="store_true", help="redraw docs/bench-*.png after a partial or --quick run too")
+    p.add_argument("--plots-only", action="store_true", help="only redraw the plots from bench/results")
     a = p.parse_args()
     chosen = [n for n in (a.only.split(",") if a.only else SUITE) if n]
+    unknown = [n for n in chosen if n not in SUITE]
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(SUITE)}")
     failed = []
     started = time.monotonic()
     if not a.plots_only:
@@ -94,12 +104,18 @@ def main() -> int:
             t0 = time.monotonic()
             try:
                 SUITE[name](quick=a.quick)
+            except BenchProblems as exc:  # saved, with its problems: no traceback needed
+                log(f"FAILED {exc}")
+                failed.append(name)
             except Exception:
                 traceback.print_exc()
                 failed.append(name)
             log(f"{name}: {time.monotonic() - t0:.0f}s")
-    for path in plots():
-        log(f"wrote {path}")
+    if a.plots or a.plots_only or not (a.only or a.quick):
+        for path in plots():
+            log(f"wrote {path}")
+    else:
+        log("plots not redrawn (a partial or --quick run; --plots redraws them)")
     log(f"suite: {time.monotonic() - started:.0f}s; failed: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -9,6 +9,8 @@ import json
 import os
 import platform
 import shlex
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(os.environ.get("SLUICE_BENCH_RESULTS", ROOT / "bench" / "results"))
+# SLUICE_BENCH_RESULTS: another folder for the results (on the GPU machine, $OUT).
+RESULTS = Path(os.environ.get("SLUICE_BENCH_RESULTS") or ROOT / "bench" / "results")
 sys.path.insert(0, str(ROOT))
 
 from onprem.embedded import Stack, default_ddb, free_port  # noqa: E402
@@ -70,10 +73,13 @@ def machine() -> dict:
 
 
 def save(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    folder = RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
     data = {"benchmark": name, "at": time.strftime("%Y-%m-%dT%H:%M:%S"), **data}
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2))
+    path = folder / f"{name}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)  # a run killed mid-write leaves the previous file whole
     return path
 
 
@@ -81,15 +87,150 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+class BenchProblems(RuntimeError):
+    """Raised by a benchmark after it saved its result, when some figure in it
+    is not a clean measurement (a drain cut off, a peer that failed, errors):
+    `python -m bench` then lists the benchmark as failed and exits non-zero."""
+
+
+def flag(results: dict, problem: str) -> None:
+    """Record a problem in the result (its "problems" list) and say it loudly."""
+    results.setdefault("problems", []).append(problem)
+    log(f"!!! PROBLEM: {problem}")
+
+
+def raise_if_flagged(name: str, results: dict) -> None:
+    if results.get("problems"):
+        raise BenchProblems(f"{name}: {len(results['problems'])} problem(s), saved in its result: "
+                            + "; ".join(results["problems"]))
+
+
+def keep_logs(log_dir: Path, dest: str, header: str, tail_lines: int = 200) -> Path | None:
+    """Append the last lines of every process log of a stack to one file in the
+    results folder (one file, so that a device run returns it among its few)."""
+    files = sorted(Path(log_dir).glob("*.log"))
+    if not files:
+        return None
+    folder = RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / dest
+    with path.open("a", errors="replace") as out:
+        out.write(f"\n===== {time.strftime('%Y-%m-%dT%H:%M:%S')} {header} =====\n")
+        for f in files:
+            lines = f.read_text(errors="replace").splitlines()[-tail_lines:]
+            out.write(f"----- {f.name} (last {len(lines)} lines) -----\n" + "\n".join(lines) + "\n")
+    log(f"kept the stack's logs in {path}")
+    return path
+
+
+# ---------------------------------------------------------- process trees
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid from a
+    reused one); None when it is gone or a zombie (dead, not yet reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (children, grandchildren...), with psutil when
+    it is installed, else from /proc."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def snapshot_tree(pid: int) -> dict[int, int | None]:
+    """pid and its descendants now, each with its start time: taken while the
+    tree is whole, since a child whose parent died is re-parented and can no
+    longer be found from it."""
+    return {p: _start_time(p) for p in [pid, *descendants(pid)]}
+
+
+def kill_snapshot(tree: dict[int, int | None], sig: int = signal.SIGKILL) -> list[int]:
+    """Send sig to every process of a snapshot that is still the same process
+    (same start time), and to its process group when that group is not ours.
+    Returns the pids signalled."""
+    ours = os.getpgrp()
+    hit = []
+    for p, started in tree.items():
+        if started is None or _start_time(p) != started:
+            continue  # gone, or the pid now belongs to another process
+        with contextlib.suppress(OSError):
+            group = os.getpgid(p)
+            if group != ours:
+                os.killpg(group, sig)
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+        hit.append(p)
+    return hit
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """kill_snapshot of pid's tree as it is now."""
+    return kill_snapshot(snapshot_tree(pid), sig)
+
+
 # ------------------------------------------------------------------ stacks
+
+
+def stop_bounded(s: Stack, timeout_s: float) -> None:
+    """Stop a stack's processes within about timeout_s in all: workers first
+    (SIGTERM: each finishes its batch while the emulators still answer), then
+    the API and the emulators; whatever is left then gets SIGKILL, its whole
+    process group (each was started in a session of its own)."""
+    deadline = time.monotonic() + timeout_s
+
+    def term(names: list[str], share: float) -> None:
+        procs = [s.procs[n] for n in names if s.procs[n].poll() is None]
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGTERM)
+        until = time.monotonic() + max(0.5, share * (deadline - time.monotonic()))
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.05, until - time.monotonic()))
+
+    term([n for n in s.procs if n.startswith("worker")], 0.6)
+    term([n for n in s.procs if not n.startswith("worker")], 1.0)
+    for proc in s.procs.values():
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the group, children included; a no-op once it is gone
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2)
 
 
 @contextlib.contextmanager
 def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, str] | None = None,
-          ddb: str | None = None):
+          ddb: str | None = None, stop_timeout_s: float | None = None):
     """The embedded profile (S3 on moto; SQS on moto or LocalStack; DynamoDB on
     what `make run` uses unless `ddb` says). Yields the Stack with AWS_* of this
-    process pointed at its emulators."""
+    process pointed at its emulators. With stop_timeout_s, stopping it takes
+    at most about that long (the GPU benchmark's time budget)."""
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     overrides = {"SLUICE_ACCESS_LOG": "0", "SLUICE_LOG_LEVEL": "WARNING", **(env or {})}
     s = Stack(api_port=free_port(), workers=workers, sqs=sqs, ddb=ddb or default_ddb(), log_dir=logs,
@@ -109,6 +250,8 @@ def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, 
         os.environ.clear()
         os.environ.update(saved)
         reset_clients()
+        if stop_timeout_s is not None:
+            stop_bounded(s, stop_timeout_s)
         s.stop()
 
 

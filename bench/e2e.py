@@ -2,16 +2,30 @@
 clients, each waiting for its own result, against Sluice (submit, then a long
 poll `GET /v1/tasks/{id}?wait_s=` as `sluice submit --wait` does; or, with
 poll_s set, a plain poll every poll_s), Ray Serve and Celery + Redis (in
-.venv-peers, when it exists), and the raw model in the same run."""
+.venv-peers), and the raw model in the same run. Sluice and Ray Serve are
+driven over HTTP by the same stdlib load generator (bench/common.py); Celery
+has no HTTP front, so its clients are threads of the same closed loop calling
+`embed.delay(text).get()` in-process.
+
+A peer that fails (no .venv-peers, an exception, a timeout) is reported as
+failed, not measured: its entry says why and carries the reference figures
+only under "reference_not_this_run", and the benchmark exits non-zero. A
+system with errors or fewer completed requests than asked is flagged too.
+Each peer runs in its own session; on a timeout its whole process group
+(redis-server, celery workers, ray's processes) is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 
-from bench.common import default_ddb, ROOT, Http, closed_loop, log, save, sentence, stack
+from bench.common import (ROOT, Http, closed_loop, default_ddb, flag, kill_snapshot, log, raise_if_flagged,
+                          save, sentence, snapshot_tree, stack)
 from bench.worker import raw
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -60,15 +74,58 @@ def sluice(requests: int, clients: int, workers: int, threads: int, sqs: str, en
             f"DynamoDB, " + (f"poll every {int(poll_s * 1000)} ms" if poll_s else f"long poll (wait_s={LONG_POLL_S})"), "warm_s": round(warm_s, 1), "env": env, **r.summary()}
 
 
-def peer(module: str, requests: int, clients: int) -> dict | None:
+PEER_TIMEOUT_S = 420
+
+
+def peer(module: str, requests: int, clients: int, timeout_s: float = PEER_TIMEOUT_S) -> dict:
+    """Run a peer in .venv-peers; its result line, or {"error": ...} when it failed."""
     if not PEERS_PYTHON.exists():
-        return None
+        return {"error": f"no {PEERS_PYTHON.relative_to(ROOT)} (bench/setup_peers.sh could not build it)"}
+    return run_peer([str(PEERS_PYTHON), "-m", module, "--requests", str(requests), "--clients", str(clients)],
+                    timeout_s)
+
+
+def run_peer(command: list[str], timeout_s: float) -> dict:
+    """Run a peer's command in a session of its own. On a timeout, it and every
+    process under it (redis-server, celery workers, ray's processes) get
+    SIGTERM, then SIGKILL; whatever of its process group outlived it is killed
+    in any case."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        out = subprocess.run([str(PEERS_PYTHON), "-m", module, "--requests", str(requests), "--clients", str(clients)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=420)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except Exception as exc:  # a peer that fails is reported, not fatal
-        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        tree = snapshot_tree(proc.pid)  # before the kill: orphans cannot be found from it afterwards
+        kill_snapshot(tree, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_snapshot(tree)
+            stdout, stderr = proc.communicate()
+        kill_snapshot(tree)
+        return {"error": f"timed out after {timeout_s:.0f}s; killed it and the {len(tree) - 1} process(es) under it",
+                "stderr_tail": (stderr or "")[-1500:]}
+    finally:
+        # The group id stays the peer's pid while any member lives: a redis-server
+        # or a celery worker left behind by a peer that exited is killed here.
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode:
+        return {"error": f"exited with {proc.returncode}", "stderr_tail": stderr[-1500:]}
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        return {"error": f"no result line ({exc})", "stdout_tail": stdout[-500:], "stderr_tail": stderr[-1500:]}
+
+
+def incomplete(r: dict, requests: int) -> str | None:
+    """Why a system's figures are not a clean measurement, or None."""
+    why = []
+    if r.get("errors"):
+        why.append(f"{r['errors']} errors ({'; '.join(r.get('error_examples', []))[:300]})")
+    if r.get("completed", 0) < requests:
+        why.append(f"completed {r.get('completed', 0)} of {requests} requests")
+    return ", ".join(why) or None
 
 
 def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads: int = 2) -> dict:
@@ -82,23 +139,48 @@ def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads
     for name, module in (("Ray Serve", "bench.peers.ray_serve"), ("Celery + Redis", "bench.peers.celery_redis")):
         log(f"e2e: {name}")
         measured = peer(module, requests, clients)
-        if measured and "error" not in measured:
-            results["systems"][name] = {**measured, "source": "this run"}
+        if "error" not in measured:
+            results["systems"][name] = {**measured, "status": "measured", "source": "this run"}
+            log(f"e2e: {name} {measured.get('per_s')}/s (this run)")
         else:
-            results["systems"][name] = {**REFERENCE[name], "system": name, "source":
-                                        "measured on a machine like this one, not in this run (../shared/NOTES.md)",
-                                        "why_not_this_run": (measured or {}).get("error", "no .venv-peers")}
-        log(f"e2e: {name} {results['systems'][name].get('per_s')}/s ({results['systems'][name]['source']})")
+            results["systems"][name] = {
+                "system": name, "status": "failed", "source": "not measured: the peer failed in this run",
+                "error": measured["error"], **{k: v for k, v in measured.items() if k.endswith("_tail")},
+                "reference_not_this_run": {**REFERENCE[name], "source": "measured on a machine like this one, "
+                                           "not in this run (../shared/NOTES.md)"}}
+            flag(results, f"{name} FAILED, not measured: {measured['error']}")
+    for name, r in results["systems"].items():
+        why = incomplete(r, requests) if r.get("status") != "failed" else None
+        if why:
+            r["incomplete"] = why
+            flag(results, f"{name}: {why}")
     # Latency against throughput: the same Sluice stack at lighter closed-loop loads.
     results["sluice_sweep"] = []
     for c in ((8, 32) if quick else (4, 16, 32)):
-        r = sluice(max(100, c * 10), c, workers, threads, sqs)
-        results["sluice_sweep"].append({"clients": c, "per_s": r["per_s"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]})
+        n = max(100, c * 10)
+        r = sluice(n, c, workers, threads, sqs)
+        results["sluice_sweep"].append({"clients": c, "requests": n, "per_s": r["per_s"], "p50_ms": r["p50_ms"],
+                                        "p99_ms": r["p99_ms"], "completed": r["completed"], "errors": r["errors"]})
         log(f"e2e: Sluice at {c} clients: {r['per_s']}/s p50 {r['p50_ms']} ms")
+        why = incomplete(r, n)
+        if why:
+            flag(results, f"Sluice at {c} clients: {why}")
     ours = results["systems"]["Sluice"]["per_s"]
-    results["vs_ray"] = round(ours / results["systems"]["Ray Serve"]["per_s"], 2)
+    ray = results["systems"]["Ray Serve"]
+    results["vs_ray"] = round(ours / ray["per_s"], 2) if ray.get("status") == "measured" and ray.get("per_s") else None
     results["vs_raw"] = round(ours / results["raw_32"]["per_s"], 2)
     save("e2e", results)
+    log(f"e2e: summary ({requests} requests, {clients} clients); raw model {results['raw_32']['per_s']} sentences/s")
+    for name, r in results["systems"].items():
+        if r.get("status") == "failed":
+            log(f"e2e:   {name:15} FAILED, not measured: {r['error']}")
+        else:
+            log(f"e2e:   {name:15} {r['per_s']:7.1f} req/s  p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  "
+                f"completed {r['completed']}/{requests}, errors {r['errors']}"
+                + (f"  INCOMPLETE: {r['incomplete']}" if r.get("incomplete") else ""))
+    log(f"e2e:   Sluice / Ray Serve: {results['vs_ray'] if results['vs_ray'] is not None else 'n/a (Ray Serve not measured)'}"
+        f"; Sluice / raw model: {results['vs_raw']}")
+    raise_if_flagged("e2e", results)
     return results
 
 

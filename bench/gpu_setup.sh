@@ -11,12 +11,17 @@
 #
 #   call 1, carry [".gl/model", ".gl/site"]        (~38 MiB + the ~1.5 MiB tree)
 #     bash bench/gpu_setup.sh
-#   call 2, carry [".gl/localstack", ".gl/node"]   (~30 MiB + the tree)
-#     bash bench/gpu_setup.sh --check && . /root/kit/env.sh && python3 -m bench --only gpu
+#   call 2, carry [".gl/localstack", ".gl/node"]   (~30 MiB + the tree), timeout_s 600
+#     bash bench/gpu_run.sh
 #
 # One call without dynalite (DynamoDB then stays on moto, as on a machine
-# without npm): carry [".gl/model", ".gl/site", ".gl/localstack"] (~47 MiB) and
-#     bash bench/gpu_setup.sh --check --no-node && . /root/kit/env.sh && python3 -m bench --only gpu
+# without npm): carry [".gl/model", ".gl/site", ".gl/localstack"] (~47 MiB), timeout_s 600, and
+#     bash bench/gpu_run.sh --no-node
+#
+# bench/gpu_run.sh runs `bash bench/gpu_setup.sh --check [--no-node]`, sources
+# /root/kit/env.sh, and runs `python3 -m bench --only gpu` with
+# SLUICE_BENCH_RESULTS=$OUT (only $OUT comes back from the device) and a time
+# budget that keeps the whole command under the device's 600 s.
 #
 # What it makes (nothing tracked is touched; both paths are git-ignored):
 #   .venv-localstack/bin/python   a wrapper: this machine's python3 -S with
@@ -126,6 +131,8 @@ cat >"$KIT/env.sh" <<EOF
 export PYTHONPATH=$ENV_PYTHONPATH\${PYTHONPATH:+:\$PYTHONPATH}
 export PATH=$KIT/node/bin:\$PATH
 export PYTHONUNBUFFERED=1
+# Results where the device returns files from, when there is such a place.
+[ -z "\${OUT:-}" ] || export SLUICE_BENCH_RESULTS=\${SLUICE_BENCH_RESULTS:-\$OUT}
 EOF
 echo "export PYTHONPATH=$ENV_PYTHONPATH\${PYTHONPATH:+:\$PYTHONPATH} PATH=$KIT/node/bin:\$PATH  # or: . $KIT/env.sh"
 

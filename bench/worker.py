@@ -4,6 +4,10 @@ One worker process drains a pre-filled queue of one-sentence minilm-embed
 tasks. Its throughput (tasks finished / span from the first task started to the
 last finished, from the task records) is divided by the raw model's throughput
 at the same batch size and thread count, measured in the same run right before.
+The end of a drain is noticed from the queues (GetQueueAttributes), not by
+reading the records while it runs; the records are read once, at the end. A
+drain cut off at its timeout, a worker that exited, or tasks failed or never
+finished are recorded in the result's "problems" and make the benchmark fail.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, cpu_s, default_ddb, log, save, sentence, settings, stack
+from bench.common import (ROOT, cpu_s, default_ddb, flag, keep_logs, log, raise_if_flagged, save, sentence,
+                          settings, stack)
 
 
 def fill(n: int, model: str = "minilm-embed", priority: str = "normal", inputs_per_task: int = 1) -> list[str]:
@@ -36,74 +41,187 @@ def fill(n: int, model: str = "minilm-embed", priority: str = "normal", inputs_p
     return ids
 
 
-def wait_drained(ids: list[str], timeout_s: float) -> dict[str, dict]:
-    """Until every task is terminal; returns the records (plain dicts)."""
-    from sluice.adapters.task_store import TaskStore
-
-    store = TaskStore(settings())
-    deadline = time.monotonic() + timeout_s
-    pending = set(ids)
-    done: dict[str, dict] = {}
-    while pending and time.monotonic() < deadline:
-        time.sleep(1.0)
-        for task_id, record in store.get_many(pending).items():
-            if record.status.is_terminal:
-                done[task_id] = record.model_dump(mode="json")
-                pending.discard(task_id)
-    return done
+class WorkerExited(RuntimeError):
+    def __init__(self, dead: dict[str, int | None]):
+        super().__init__("worker exited during the drain: " + ", ".join(f"{n} (exit code {rc})" for n, rc in dead.items()))
+        self.dead = dead
 
 
-def first_finished(sample: list[str], timeout_s: float) -> int:
-    """Waits until a task of the sample is terminal; returns how many are."""
+def dead_workers(procs: dict | None) -> dict[str, int | None]:
+    """The worker processes of `procs` (name -> Popen) that have exited, with their exit codes."""
+    return {name: proc.returncode for name, proc in (procs or {}).items()
+            if name.startswith("worker") and proc.poll() is not None}
+
+
+QUEUE_COUNTS = ("ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+                "ApproximateNumberOfMessagesDelayed")
+
+
+def queued_messages(queues=None, priorities=None) -> int:
+    """Messages in the priority queues (all, or those named): waiting, in
+    flight (received, not yet deleted) or delayed. One GetQueueAttributes per queue."""
+    from sluice.adapters.queues import PriorityQueues
+    from sluice.contract import Priority
+
+    queues = queues or PriorityQueues(settings())
+    total = 0
+    for priority in [Priority(p) for p in priorities] if priorities else Priority:
+        attrs = queues.sqs.get_queue_attributes(QueueUrl=queues.url(priority),
+                                                AttributeNames=list(QUEUE_COUNTS))["Attributes"]
+        total += sum(int(attrs.get(k, 0)) for k in QUEUE_COUNTS)
+    return total
+
+
+def wait_drained(timeout_s: float, procs: dict | None = None, backlog=None, poll_s: float = 0.2,
+                 confirm: int = 2, priorities=None) -> dict:
+    """Until every priority queue is empty `confirm` polls in a row, a worker
+    exits, or timeout_s. A worker deletes a message only after it wrote the
+    task's outcome, so empty queues mean every outcome is written. The poll is
+    cheap on purpose (a GetQueueAttributes per queue, not the task records):
+    it runs on the machine it times. The records are read once, afterwards.
+    `backlog()` counts the queued messages (queued_messages of `priorities`,
+    all by default: a drain filled one queue only polls that one).
+    Returns {"end": "queues empty" | "timeout" | "worker exited", "waited_s", "dead"}."""
+    if backlog is None:
+        from sluice.adapters.queues import PriorityQueues
+
+        queues = PriorityQueues(settings())
+        backlog = lambda: queued_messages(queues, priorities)  # noqa: E731
+    started = time.monotonic()
+    deadline = started + timeout_s
+    empty_in_a_row = 0
+    while True:
+        dead = dead_workers(procs)
+        if dead:
+            return {"end": "worker exited", "waited_s": round(time.monotonic() - started, 2), "dead": dead}
+        empty_in_a_row = empty_in_a_row + 1 if backlog() == 0 else 0
+        if empty_in_a_row >= confirm:
+            return {"end": "queues empty", "waited_s": round(time.monotonic() - started, 2), "dead": {}}
+        if time.monotonic() >= deadline:
+            return {"end": "timeout", "waited_s": round(time.monotonic() - started, 2), "dead": {}}
+        time.sleep(poll_s)
+
+
+def first_finished(sample: list[str], timeout_s: float, procs: dict | None = None) -> int:
+    """Waits until a task of the sample is terminal; returns how many are.
+    Raises WorkerExited as soon as a worker of `procs` has exited."""
     from sluice.adapters.task_store import TaskStore
 
     store = TaskStore(settings())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = sum(r.status.is_terminal for r in store.get_many(sample).values())
+        dead = dead_workers(procs)
+        if dead:
+            raise WorkerExited(dead)
+        done = sum(status.is_terminal for status in store.statuses(sample).values())
         if done:
             return done
         time.sleep(0.1)
-    raise TimeoutError(f"no task finished within {timeout_s}s")
+    raise TimeoutError(f"no task finished within {timeout_s:.0f}s of the workers' start")
 
 
 def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, extra_env: dict | None = None,
-          sqs: str = "localstack", model: str = "minilm-embed", inputs_per_task: int = 1) -> dict:
+          sqs: str = "localstack", model: str = "minilm-embed", inputs_per_task: int = 1,
+          start_timeout_s: float = 120, stop_timeout_s: float | None = None, keep_logs_always: bool = False) -> dict:
+    """Fill the queue with n tasks, start the workers, time their drain. The
+    result's "problems" lists what makes it not a clean measurement (a drain
+    cut off, a worker that exited, tasks failed or never finished); the
+    stack's logs are then kept in the results folder (drain-logs.txt)."""
+    from sluice.adapters.task_store import TaskStore
+
     env = {"SLUICE_MODELS": model, "SLUICE_MAX_BATCH_SIZE": str(batch),
            "SLUICE_TORCH_THREADS": str(threads), **(extra_env or {})}
-    with stack(workers=0, api=False, sqs=sqs, env=env) as s:
+    label = f"drain of {n} {model} tasks x {inputs_per_task} inputs, batch {batch}, {workers} worker(s)"
+    out: dict = {"tasks": n, "model": model, "batch": batch, "threads": threads, "workers": workers, "sqs": sqs,
+                 "inputs_per_task": inputs_per_task, "env": extra_env or {}}
+    problems: list[str] = []
+    cpu: dict[str, float] = {}
+    done_before = 0
+    with stack(workers=0, api=False, sqs=sqs, env=env, stop_timeout_s=stop_timeout_s) as s:
+        out["dynamodb"] = s.ddb
         t0 = time.monotonic()
         ids = fill(n, model, inputs_per_task=inputs_per_task)
-        fill_s = time.monotonic() - t0
+        out["fill_s"] = round(time.monotonic() - t0, 2)
+        drain_started = time.time()
         for i in range(workers):
             s.start_worker(i)
-        # Each process's CPU from the first finished task on, so that the
-        # worker's start-up (importing torch, loading the model) is left out.
-        done_before = first_finished(ids[:100], timeout_s=120)
-        pids = {name: proc.pid for name, proc in s.procs.items()}
-        cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
-        records = wait_drained(ids, timeout_s)
-        cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
-    ok = [r for r in records.values() if r["status"] == "succeeded"]
+        procs = {name: proc for name, proc in s.procs.items() if name.startswith("worker")}
+        try:
+            # Each process's CPU from the first finished task on, so that the
+            # worker's start-up (importing torch, loading the model) is left out.
+            done_before = first_finished(ids[:100], timeout_s=min(start_timeout_s, timeout_s), procs=procs)
+        except (TimeoutError, WorkerExited) as exc:
+            problems.append(f"no task finished: {exc}")
+            out["end"] = "worker exited" if isinstance(exc, WorkerExited) else "timeout"
+        else:
+            pids = {name: proc.pid for name, proc in s.procs.items()}
+            cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
+            waited = wait_drained(timeout_s, procs, priorities=["normal"])  # fill()'s priority
+            cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
+            out["end"], out["waited_s"] = waited["end"], waited["waited_s"]
+            if waited["end"] == "timeout":
+                problems.append(f"CUT OFF: the drain was still running after {timeout_s:.0f}s; "
+                                f"its figures cover part of the tasks only")
+            elif waited["end"] == "worker exited":
+                problems.append(str(WorkerExited(waited["dead"])))
+        records = {t: r.model_dump(mode="json") for t, r in TaskStore(settings()).get_many(ids).items()}
+        for name, proc in s.procs.items():
+            if name.startswith("worker") and proc.poll() is not None:
+                out.setdefault("worker_exit_codes", {})[name] = proc.returncode
+        terminal = [r for r in records.values() if r["status"] in ("succeeded", "failed", "cancelled", "expired")]
+        ok = [r for r in terminal if r["status"] == "succeeded"]
+        out.update({"succeeded": len(ok), "failed": len(terminal) - len(ok), "not_finished": n - len(terminal)})
+        if out["failed"]:
+            problems.append(f"{out['failed']} of {n} tasks failed")
+        if out["not_finished"]:
+            problems.append(f"{out['not_finished']} of {n} tasks never finished")
+        if problems or keep_logs_always:
+            keep_logs(s.log_dir, "drain-logs.txt", label + (": " + "; ".join(problems) if problems else ""))
+    out["problems"] = problems
     if not ok:
-        return {"tasks": n, "succeeded": 0, "error": "nothing finished"}
+        out["tasks_per_s"] = out["inputs_per_s"] = None
+        return out
+    # Throughput from the records' own times, not from when the poll noticed.
     first = min(r["started_at"] for r in ok)
     last = max(r["finished_at"] for r in ok)
     span = max(1e-3, (last - first) / 1000)
     sizes = [r.get("batch_size") or 0 for r in ok]
-    return {"tasks": n, "model": model, "succeeded": len(ok), "not_finished": n - len(records), "fill_s": round(fill_s, 2),
-            "span_s": round(span, 2), "tasks_per_s": round(len(ok) / span, 1), "inputs_per_task": inputs_per_task,
-            "inputs_per_s": round(len(ok) * inputs_per_task / span, 1), "first_started_ms": first, "last_finished_ms": last,
-            "mean_batch": round(sum(sizes) / len(sizes), 1), "batch": batch, "threads": threads,
-            "workers": workers, "sqs": sqs, "env": extra_env or {},
-            "cpu_ms_per_task": {name: round(v * 1000 / max(1, len(ok) - done_before), 2) for name, v in cpu.items()}}
+    out.update({
+        "span_s": round(span, 2), "tasks_per_s": round(len(ok) / span, 1),
+        "inputs_per_s": round(len(ok) * inputs_per_task / span, 1), "first_started_ms": first,
+        "last_finished_ms": last, "workers_started_ms": round(drain_started * 1000),
+        "mean_batch": round(sum(sizes) / len(sizes), 1),
+        "cpu_ms_per_task": {name: round(v * 1000 / max(1, len(ok) - done_before), 2) for name, v in cpu.items()}})
+    return out
 
 
-def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16", device: str = "cpu") -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.rawmodel", "--batch", str(batch), "--threads", str(threads),
-                          "--seconds", str(seconds), "--dtype", dtype, "--device", device], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16", device: str = "cpu",
+        timeout_s: float = 120) -> dict:
+    """The raw model in its own process (bench/rawmodel.py), with the OpenMP
+    setting a worker runs with (OMP_WAIT_POLICY=PASSIVE unless this process's
+    environment says otherwise, as models/registry.py does for the worker)."""
+    return raw_many([batch], threads, seconds, dtype, device, timeout_s)[0]
+
+
+def raw_many(batches: list[int], threads: int, seconds: float = 6, dtype: str = "bf16", device: str = "cpu",
+             timeout_s: float = 120) -> list[dict]:
+    """raw() for several batch sizes in one process (one model load)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    out = subprocess.run([sys.executable, "-m", "bench.rawmodel", "--batch", ",".join(map(str, batches)),
+                          "--threads", str(threads), "--seconds", str(seconds), "--dtype", dtype, "--device", device],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode:
+        raise RuntimeError(f"bench.rawmodel exited with {out.returncode}: {out.stderr.strip()[-2000:]}")
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if len(lines) != len(batches):
+        raise RuntimeError(f"bench.rawmodel printed {len(lines)} results for {len(batches)} batch sizes: "
+                           f"{out.stdout[-500:]} {out.stderr[-1000:]}")
+    return lines
+
+
+def ratio(a, b, digits: int = 3):
+    return round(a / b, digits) if a and b else None
 
 
 def main(quick: bool = False, sqs: str = "localstack") -> dict:
@@ -111,32 +229,39 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
     n = 600 if quick else 1500
     results: dict = {"sqs": sqs, "dynamodb": default_ddb()}
 
+    def checked(key: str, d: dict) -> dict:
+        results[key] = d
+        for problem in d.get("problems", []):
+            flag(results, f"{key}: {problem}")
+        return d
+
     log(f"worker: raw model, batch 32, {threads} threads")
     results["raw_32"] = raw(32, threads)
     # The worker serves bf16 (SLUICE_MINILM_DTYPE); fp32 is the issue's
     # reference and, on some CPUs, the faster of the two: both are recorded.
     results["raw_32_fp32"] = raw(32, threads, seconds=4, dtype="fp32")
-    log(f"worker: raw model bf16 {results['raw_32']['per_s']}/s, fp32 {results['raw_32_fp32']['per_s']}/s")
+    log(f"worker: raw model bf16 {results['raw_32']['per_s']}/s, fp32 {results['raw_32_fp32']['per_s']}/s "
+        f"(OMP_WAIT_POLICY={results['raw_32']['omp_wait_policy']}, as the worker)")
     log(f"worker: drain {n} tasks, one worker, max_batch_size=32 ({sqs} SQS)")
-    results["drain_32"] = drain(n, 32, threads, timeout_s=240, sqs=sqs)
-    results["efficiency"] = round(results["drain_32"]["tasks_per_s"] / results["raw_32"]["per_s"], 3)
+    checked("drain_32", drain(n, 32, threads, timeout_s=240, sqs=sqs))
+    results["efficiency"] = ratio(results["drain_32"]["tasks_per_s"], results["raw_32"]["per_s"])
     log(f"worker: efficiency {results['efficiency']} "
         f"({results['drain_32']['tasks_per_s']} tasks/s vs raw {results['raw_32']['per_s']}/s)")
 
     # The same drain with a model that costs nothing: what the pipeline alone
     # (queues, table, the worker's own Python) allows on this machine.
     log(f"worker: drain {n} tasks of a zero-cost model (the pipeline's ceiling)")
-    results["drain_free_model"] = drain(n, 32, threads, timeout_s=240, sqs=sqs, model="synthetic", extra_env={
-        "SLUICE_SYNTHETIC_BASE_MS": "0", "SLUICE_SYNTHETIC_PER_ITEM_MS": "0"})
-    results["pipeline_ceiling"] = round(results["drain_free_model"]["tasks_per_s"] / results["raw_32"]["per_s"], 3)
+    checked("drain_free_model", drain(n, 32, threads, timeout_s=240, sqs=sqs, model="synthetic", extra_env={
+        "SLUICE_SYNTHETIC_BASE_MS": "0", "SLUICE_SYNTHETIC_PER_ITEM_MS": "0"}))
+    results["pipeline_ceiling"] = ratio(results["drain_free_model"]["tasks_per_s"], results["raw_32"]["per_s"])
     log(f"worker: zero-cost model {results['drain_free_model']['tasks_per_s']} tasks/s = "
         f"{results['pipeline_ceiling']} x the raw model")
 
     n1 = 200 if quick else 400
     log(f"worker: drain {n1} tasks with max_batch_size=1")
-    results["drain_1"] = drain(n1, 1, threads, timeout_s=240, sqs=sqs)
+    checked("drain_1", drain(n1, 1, threads, timeout_s=240, sqs=sqs))
     results["raw_1"] = raw(1, threads)
-    results["batching_gain"] = round(results["drain_32"]["tasks_per_s"] / max(1e-9, results["drain_1"]["tasks_per_s"]), 2)
+    results["batching_gain"] = ratio(results["drain_32"]["tasks_per_s"], results["drain_1"]["tasks_per_s"], 2)
     log(f"worker: batching gain {results['batching_gain']}x")
 
     curve = []
@@ -148,12 +273,13 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
         elif b == 32:
             d = results["drain_32"]
         else:
-            d = drain(max(200, min(n, 25 * b)), b, threads, timeout_s=180, sqs=sqs)
+            d = checked(f"drain_{b}", drain(max(200, min(n, 25 * b)), b, threads, timeout_s=180, sqs=sqs))
         curve.append({"batch": b, "raw_per_s": r["per_s"], "sluice_tasks_per_s": d["tasks_per_s"],
                       "mean_batch": d.get("mean_batch")})
         log(f"worker: curve batch {b}: raw {r['per_s']}/s, sluice {d['tasks_per_s']}/s")
     results["curve"] = curve
     save("worker", results)
+    raise_if_flagged("worker", results)
     return results
 
 

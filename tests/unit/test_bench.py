@@ -56,3 +56,235 @@ def test_raw_model_runs_on_the_device_and_in_the_dtype_it_is_given():
     r = raw(batch=4, threads=1, seconds=0.3, dtype="fp32", device="cpu")
     assert (r["device"], r["dtype"], r["batch"], r["threads"]) == ("cpu", "fp32", 4, 1)
     assert r["sentences"] >= 4 and r["per_s"] > 0
+
+
+# ------------------------------------------------------------------ the review's fixes
+
+
+def test_raw_model_runs_with_the_workers_openmp_setting_and_counts_padded_tokens():
+    r = raw(batch=4, threads=1, seconds=0.3, dtype="fp32", device="cpu")
+    assert r["omp_wait_policy"] == "PASSIVE" and r["torch_threads"] == 1
+    assert r["window_end_s"] > r["window_start_s"]
+    batches = sum(r["padded_length_batches"].values())
+    assert batches * 4 == r["sentences"]
+    assert r["tokens_padded"] == sum(int(k) * 4 * v for k, v in r["padded_length_batches"].items())
+    assert r["tokens_padded"] >= r["tokens_real"] > 0
+
+
+def test_gpu_spec_matches_the_most_specific_name_first():
+    assert gpu.gpu_spec("NVIDIA H200 NVL")[1] == 835
+    assert gpu.gpu_spec("NVIDIA H200")[1] == 989
+    assert gpu.gpu_spec("NVIDIA H100 80GB HBM3")[0] == "H100"
+    assert gpu.gpu_spec("NVIDIA H100 PCIe")[1] == 756
+    assert gpu.gpu_spec("NVIDIA L40S")[0] == "L40S"
+    assert gpu.gpu_spec("NVIDIA GeForce RTX 4090") is None
+
+
+def test_roofline_counts_the_same_flops_and_is_bound_by_peak_and_bandwidth():
+    peak, bw = 989e12, 3.35e12
+    for batch, length in ((1, 8), (64, 16), (1024, 16), (1024, 128)):
+        flops = batch * gpu.flops_per_sentence(length)
+        least = gpu.roofline_s(batch, length, peak, bw)
+        assert least >= flops / peak  # never faster than the peak
+        if batch >= 64:
+            assert least < 3 * flops / peak  # large batches: within a small factor of it
+    # With infinite bandwidth it is the compute bound exactly: the two FLOP counts agree.
+    assert gpu.roofline_s(64, 16, peak, float("inf")) == pytest.approx(64 * gpu.flops_per_sentence(16) / peak)
+    # A batch of one reads every weight for one sentence: memory-bound, far below peak.
+    assert gpu.flops_per_sentence(16) / gpu.roofline_s(1, 16, peak, bw) < 0.2 * peak
+    w = gpu.work(32, {"15": 3, "17": 1}, 989, 3.35)
+    assert w["flops"] == 3 * 32 * gpu.flops_per_sentence(15) + 32 * gpu.flops_per_sentence(17)
+    assert w["roofline_least_s"] == pytest.approx(3 * gpu.roofline_s(32, 15, peak, bw) + gpu.roofline_s(32, 17, peak, bw))
+    assert gpu.work(32, {"15": 1}, None, None)["roofline_least_s"] is None
+
+
+class _Proc:
+    def __init__(self, rc=None):
+        self.returncode = rc
+
+    def poll(self):
+        return self.returncode
+
+
+def test_wait_drained_ends_on_empty_queues_seen_twice_a_dead_worker_or_the_timeout():
+    from bench.worker import wait_drained
+
+    depths = iter([5, 0, 3, 0, 0, 7])
+    r = wait_drained(10, {"worker-0": _Proc()}, backlog=lambda: next(depths), poll_s=0.01)
+    assert r["end"] == "queues empty"  # 0 then 3 does not count; 0, 0 does
+    r = wait_drained(10, {"worker-0": _Proc(), "worker-1": _Proc(-9), "emulator": _Proc(0)}, backlog=lambda: 5)
+    assert r == {"end": "worker exited", "waited_s": r["waited_s"], "dead": {"worker-1": -9}}
+    assert r["waited_s"] < 1
+    r = wait_drained(0.05, {}, backlog=lambda: 5, poll_s=0.01)
+    assert r["end"] == "timeout"
+
+
+def test_priorities_percentile_says_when_unstarted_tasks_make_it_a_lower_bound():
+    from bench.priorities import censored_percentile
+
+    assert censored_percentile([1, 2, 3], [], 50) == (2, True)
+    assert censored_percentile([1, 2, 3], [10, 11], 50) == (3, True)  # the censored waits all lie above
+    value, exact = censored_percentile([1], [5, 6, 7], 50)
+    assert (value, exact) == (6, False)  # the median is a task that never started: at least 6
+    assert censored_percentile([], [], 50) == (None, True)
+
+
+def test_a_peer_that_times_out_is_killed_with_its_children(tmp_path):
+    import os
+    import sys
+    import time
+
+    from bench.e2e import run_peer
+
+    pidfile = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    r = run_peer([sys.executable, "-c", script], timeout_s=1.5)
+    assert "timed out" in r["error"] and time.monotonic() - t0 < 15
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    try:
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z")  # killed (a zombie until init reaps it)
+    assert run_peer([sys.executable, "-c", "import sys; sys.exit(3)"], 10)["error"] == "exited with 3"
+    assert run_peer([sys.executable, "-c", "print('{\"per_s\": 1}')"], 10) == {"per_s": 1}
+    assert os.getpgrp()  # this test's own group survived
+
+
+def test_partial_runs_leave_the_plots_alone(monkeypatch):
+    import sys
+
+    import bench.__main__ as suite
+
+    drawn, ran = [], []
+    monkeypatch.setattr(suite, "SUITE", {"one": lambda quick: ran.append(quick), "two": lambda quick: None})
+    monkeypatch.setattr(suite, "plots", lambda: drawn.append(1) or [])
+    monkeypatch.setattr(suite, "save", lambda *a, **k: None)
+    monkeypatch.setattr(suite, "machine", lambda: {})
+    for argv, plotted in ((["--only", "one"], False), (["--quick"], False), (["--only", "one", "--plots"], True),
+                          ([], True)):
+        drawn.clear()
+        monkeypatch.setattr(sys, "argv", ["bench", *argv])
+        assert suite.main() == 0
+        assert bool(drawn) == plotted, argv
+
+
+def test_a_flagged_benchmark_fails_the_suite(monkeypatch):
+    import sys
+
+    import bench.__main__ as suite
+    from bench.common import flag, raise_if_flagged
+
+    def flagged(quick):
+        results = {}
+        flag(results, "drain cut off")
+        raise_if_flagged("one", results)
+
+    monkeypatch.setattr(suite, "SUITE", {"one": flagged})
+    monkeypatch.setattr(suite, "save", lambda *a, **k: None)
+    monkeypatch.setattr(suite, "machine", lambda: {})
+    monkeypatch.setattr(sys, "argv", ["bench", "--only", "one"])
+    assert suite.main() == 1
+
+
+def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path, monkeypatch, capsys):
+    """The GPU benchmark's whole path with the raw model and the drains faked:
+    figures computed, printed and saved phase by phase, problems flagged."""
+    import time
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    monkeypatch.setenv("SLUICE_GPU_BUDGET_S", "400")
+    saved = []
+    real_save = gpu.save
+    monkeypatch.setattr(gpu, "save", lambda name, data: saved.append(json.loads(json.dumps(data))) or real_save(name, data))
+
+    def fake_raw(batches, threads, seconds, dtype, device, timeout_s):
+        out = []
+        for b in batches:
+            t0 = time.time()
+            time.sleep(0.6)
+            out.append({"batch": b, "per_s": 1000.0, "sentences": 10 * b, "seconds": 0.6, "window_start_s": t0,
+                        "window_end_s": time.time(), "tokens_padded": 150 * b, "tokens_real": 140 * b,
+                        "padded_length_batches": {"15": 10}})
+        return out
+
+    def fake_drain(n, batch, threads, timeout_s, workers, inputs_per_task, extra_env, start_timeout_s,
+                   stop_timeout_s, keep_logs_always):
+        assert timeout_s + start_timeout_s < 400 and keep_logs_always
+        t0 = time.time()
+        time.sleep(0.6)
+        if workers == 2:
+            return {"tasks": n, "succeeded": 0, "tasks_per_s": None, "inputs_per_s": None,
+                    "problems": ["no task finished: worker exited during the drain: worker-1 (exit code -9)"]}
+        return {"tasks": n, "succeeded": n, "inputs_per_s": 500.0, "first_started_ms": t0 * 1000,
+                "last_finished_ms": time.time() * 1000, "problems": []}
+
+    monkeypatch.setattr(gpu, "raw_many", fake_raw)
+    monkeypatch.setattr(gpu, "drain", fake_drain)
+    with pytest.raises(bench.common.BenchProblems, match="worker-1"):
+        gpu.main(dry_run=True)
+    final = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    assert len(saved) >= 5  # the header, the raw model, each drain, the end
+    assert "raw_32" in saved[1] and "drain_big" not in saved[1]
+    r = final["raw_32"]
+    assert r["flops_per_sentence"] == gpu.flops_per_sentence(15)
+    assert r["gpu_util_pct"] == 50.0 and r["gpu_util_samples"] >= 4
+    assert r["fraction_of_peak_bf16"] and r["fraction_of_roofline"]
+    d = final["drain_big"]
+    assert d["efficiency_vs_raw"] == 0.5 and d["fraction_of_peak_bf16"] and d["fraction_of_roofline"]
+    assert any("worker-1" in p for p in final["problems"])
+    out = capsys.readouterr().out
+    assert "efficiency_vs_raw" in out and "fraction_of_roofline" in out and "mean_padded_tokens" in out
+
+
+def test_descendants_and_kill_snapshot_reach_a_child_in_its_own_session():
+    import subprocess
+    import sys
+    import time
+
+    from bench.common import descendants, kill_snapshot, snapshot_tree
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                               "subprocess.Popen(['sleep', '60'], start_new_session=True); time.sleep(60)"],
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = snapshot_tree(parent.pid)
+        assert len(tree) == 2
+        assert sorted(kill_snapshot(tree)) == sorted(tree)
+        parent.wait(5)
+        time.sleep(0.2)
+        assert kill_snapshot(tree) == []  # all gone (or zombies no longer the same process)
+    finally:
+        parent.kill()
+
+
+def test_e2e_reports_a_failed_peer_as_failed_and_flags_incomplete_runs(tmp_path, monkeypatch, capsys):
+    from bench import e2e
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(e2e, "raw", lambda *a, **k: {"per_s": 400.0})
+
+    def fake_sluice(requests, clients, *a, **k):
+        return {"system": "Sluice", "per_s": 100.0, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 0, "error_examples": [],
+                "completed": requests - (1 if clients == 8 else 0)}
+
+    monkeypatch.setattr(e2e, "sluice", fake_sluice)
+    monkeypatch.setattr(e2e, "peer", lambda module, *a: {"error": "exited with 1"} if "ray" in module else
+                        {"system": "Celery + Redis", "per_s": 50.0, "p50_ms": 1.0, "p99_ms": 2.0, "completed": 600,
+                         "errors": 2, "error_examples": ["TimeoutError"]})
+    with pytest.raises(bench.common.BenchProblems):
+        e2e.main(quick=True)
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    ray = saved["systems"]["Ray Serve"]
+    assert ray["status"] == "failed" and "per_s" not in ray and ray["reference_not_this_run"]["per_s"] == 149
+    assert saved["vs_ray"] is None
+    assert "2 errors" in saved["systems"]["Celery + Redis"]["incomplete"]
+    problems = " ".join(saved["problems"])
+    assert "Ray Serve FAILED" in problems and "Celery + Redis" in problems and "Sluice at 8 clients" in problems
+    assert "FAILED, not measured" in capsys.readouterr().out
