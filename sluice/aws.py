@@ -30,8 +30,8 @@ _lock = threading.Lock()
 _clients: dict[tuple, object] = {}
 
 
-def client_config(settings: Settings) -> Config:
-    custom_s3_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+def client_config(settings: Settings, endpoint_url: str | None = None) -> Config:
+    custom_s3_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return Config(
         region_name=_region(settings),
         retries={"mode": "standard", "max_attempts": 3},
@@ -67,9 +67,11 @@ def _ask_keep_alive(request, **_) -> None:
     request.headers["Connection"] = "keep-alive"
 
 
-def new_client(service: str, settings: Settings):
-    """A client of its own with Sluice's config; most callers want the shared one, `client()`."""
-    made = boto3.session.Session().client(service, config=client_config(settings))
+def new_client(service: str, settings: Settings, endpoint_url: str | None = None):
+    """A client of its own with Sluice's config; most callers want the shared one, `client()`.
+    `endpoint_url` overrides the endpoint boto3 would resolve from the environment."""
+    made = boto3.session.Session().client(service, endpoint_url=endpoint_url,
+                                          config=client_config(settings, endpoint_url))
     made.meta.events.register("before-send", _ask_keep_alive)
     return made
 

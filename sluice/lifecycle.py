@@ -20,8 +20,8 @@ dropped). Results go inline when small and through S3 when large. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
 next receive then moves it to the dead-letter queue. A permanent failure (an
-inputs object that does not exist or is not a JSON list of strings) is marked
-`failed` at once: no other attempt could read it.
+inputs object that does not exist or is not a JSON list of strings, or an input
+the model refuses) is marked `failed` at once: no other attempt could succeed.
 
 Inputs: read per task after claiming (load_inputs), so one unreadable inputs
 object is an outcome of its own task, never a failure of its batch.
@@ -154,6 +154,11 @@ def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tupl
 
 def _unreadable(job: Job, reason: str, permanent: bool = False) -> Outcome:
     return Outcome(job, error=reason, error_code=INPUT_UNAVAILABLE, permanent=permanent)
+
+
+def refused(job: Job, reason: str, model_version: str | None) -> Outcome:
+    """The model refuses the task's input: every attempt would fail the same way."""
+    return Outcome(job, error=reason, error_code=INVALID_INPUT, permanent=True, model_version=model_version)
 
 
 @dataclass

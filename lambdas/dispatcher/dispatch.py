@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import TaskMessage, now_ms
-from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes
+from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, refused
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
@@ -170,10 +170,8 @@ class Dispatcher:
                 error = a["error"] if isinstance(a["error"], dict) else {"message": str(a["error"])}
                 code = error.get("code", "model_error")
                 reason = f"{code}: {error.get('message', '')}"
-                if code == INVALID_INPUT:  # the model refuses the input: no attempt can succeed
-                    outcomes.append(Outcome(job, error=reason, error_code=code, permanent=True, model_version=version))
-                else:
-                    outcomes.append(Outcome(job, error=reason, model_version=version))
+                outcomes.append(refused(job, reason, version) if code == INVALID_INPUT
+                                else Outcome(job, error=reason, model_version=version))
             else:
                 outcomes.append(
                     Outcome(job, result=a["result"], inference_ms=elapsed_ms, batch_size=n_inputs,

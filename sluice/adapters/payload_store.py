@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import json
 
-import boto3
-from botocore.config import Config
-
-from sluice.aws import client, client_config
+from sluice.aws import client, new_client
 from sluice.settings import Settings
-
-
-def presign_client(settings: Settings):
-    """A client that only signs URLs: no call it makes leaves the process
-    (SigV4 presigning is local), so its endpoint is free to be one that only
-    clients can reach, such as MinIO's published port on the host."""
-    config = client_config(settings).merge(Config(s3={"addressing_style": "path"}))
-    return boto3.session.Session().client("s3", endpoint_url=settings.s3_public_endpoint, config=config)
 
 
 class PayloadStore:
@@ -25,8 +14,11 @@ class PayloadStore:
         self.presign_expiry_s = settings.presign_expiry_s
         self.s3 = client("s3", settings)
         # Presigned URLs name the public endpoint when one is set (on-prem);
-        # puts and gets always use the endpoint the process itself reaches.
-        self.signer = presign_client(settings) if settings.s3_public_endpoint else self.s3
+        # puts and gets always use the endpoint the process itself reaches. The
+        # signer makes no call (SigV4 presigning is local), so its endpoint may
+        # be one only clients can reach, such as MinIO's port on the host.
+        self.signer = (new_client("s3", settings, endpoint_url=settings.s3_public_endpoint)
+                       if settings.s3_public_endpoint else self.s3)
 
     @staticmethod
     def inputs_key(tenant_id: str, task_id: str, request_hash: str) -> str:

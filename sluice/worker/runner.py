@@ -26,7 +26,7 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes
+from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes, refused
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
@@ -156,8 +156,7 @@ class BatchRunner:
 
 def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
     if isinstance(exc, ModelInputError):
-        # The model refuses this input: every attempt would fail the same way.
-        return Outcome(job, error=str(exc), error_code=INVALID_INPUT, permanent=True, model_version=model_version)
+        return refused(job, str(exc), model_version)
     return Outcome(job, error=f"{type(exc).__name__}: {exc}", model_version=model_version)
 
 
