@@ -126,11 +126,18 @@ def keep_logs(log_dir: Path, dest: str, header: str, tail_lines: int = 200) -> P
 # ---------------------------------------------------------- process trees
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold
+    spaces and parentheses): [0] is the state, as in proc(5) from field 3 on.
+    Raises OSError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (tells a pid from a
     reused one); None when it is gone or a zombie (dead, not yet reaped)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = proc_stat(pid)
         return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
@@ -152,7 +159,7 @@ def descendants(pid: int) -> list[int]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(proc_stat(int(d.name))[1])
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
@@ -261,7 +268,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its reaped children."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = proc_stat(pid)
     except OSError:
         return 0.0
     return sum(int(x) for x in fields[11:15]) / _TICK
