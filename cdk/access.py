@@ -28,6 +28,9 @@ API_QUEUES = ["sqs:SendMessage", "sqs:GetQueueAttributes"]
 # read claim-checked inputs, write large results.
 WORKER_TASKS = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:UpdateItem"]
 WORKER_OBJECTS = ["s3:GetObject", "s3:PutObject"]
+# Under results/ only: a run whose outcome lost the conditional write deletes
+# the result it uploaded under its own key (sluice.lifecycle.write_outcomes).
+WORKER_RESULTS = ["s3:DeleteObject"]
 # Without it S3 answers a missing inputs object 403, not 404, and the task would
 # be retried until dead-lettered rather than failed at once (sluice.lifecycle).
 WORKER_BUCKET = ["s3:ListBucket"]

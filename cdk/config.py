@@ -167,8 +167,10 @@ class SluiceConfig:
             problems.append("0 <= min_nodes <= max_nodes, max_nodes >= 1")
         if not 1 <= self.min_instances <= self.max_instances:
             problems.append("1 <= min_instances <= max_instances")
-        if not 1 <= self.dispatcher_batch_size <= 10_000:
-            problems.append("dispatcher_batch_size: 1..10000")
+        if not 1 <= self.dispatcher_batch_size <= 100:
+            # Every endpoint call of a batch runs at once (one call per task at
+            # worst), so that the batch fits one invocation timeout.
+            problems.append("dispatcher_batch_size: 1..100")
         if not 0 <= self.dispatcher_batching_window_s <= 300:
             problems.append("dispatcher_batching_window_s: 0..300")
         if self.dispatcher_batch_size > 10 and self.dispatcher_batching_window_s < 1:

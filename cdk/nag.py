@@ -11,6 +11,8 @@ import json
 from aws_cdk import Acknowledgment, CfnCondition, Stack, Validations
 from constructs import IConstruct
 
+from sluice.contract import RESULTS_PREFIX
+
 _OPEN_API = (
     "Clients authenticate with API Gateway API keys bound to usage plans; the tenant is the key id "
     "(SLUICE_AUTH_MODE=apigateway). IAM or Cognito auth does not fit machine-to-machine API keys."
@@ -73,9 +75,10 @@ def _kubectl_findings(stack: Stack, kubectl: IConstruct) -> list[str]:
 def suppress(stack: Stack) -> None:
     bucket = stack.resolve(stack.get_logical_id(_find(stack, "Storage/Payloads/Resource")))
     objects = f"AwsSolutions-IAM5[Resource::<{bucket}.Arn>/*]"
+    results = f"AwsSolutions-IAM5[Resource::<{bucket}.Arn>/{RESULTS_PREFIX}*]"
     object_reason = (
-        "Object-level actions (GetObject/PutObject/DeleteObject) on this stack's payload bucket only: "
-        "an S3 object ARN needs the key wildcard."
+        "Object-level actions (GetObject/PutObject, and DeleteObject under results/ only) on this stack's "
+        "payload bucket only: an S3 object ARN needs the key wildcard."
     )
 
     # ---------------------------------------------------------------- API
@@ -90,7 +93,7 @@ def suppress(stack: Stack) -> None:
     _ack(stack, "Api/RestApi/Default", _OPEN_API, "AwsSolutions-APIG4", "AwsSolutions-COG4")
 
     # ---------------------------------------------------------- SageMaker
-    _ack(stack, "Workers/Dispatcher/Role", object_reason, objects)
+    _ack(stack, "Workers/Dispatcher/Role", object_reason, objects, results)
     _ack(stack, "Workers/Dispatcher/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(stack, "Workers/Settler/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(
@@ -103,7 +106,7 @@ def suppress(stack: Stack) -> None:
     )
 
     # ---------------------------------------------------------------- EKS
-    _ack(stack, "Workers/WorkerRole", object_reason, objects)
+    _ack(stack, "Workers/WorkerRole", object_reason, objects, results)
     _ack(stack, "Workers/Cluster/Role", "The EKS cluster service role needs AmazonEKSClusterPolicy.",
          _managed("AmazonEKSClusterPolicy"))
     for group in ("NodegroupSystem", "NodegroupGpu"):

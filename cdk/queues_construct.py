@@ -8,6 +8,7 @@ from aws_cdk import aws_sqs as sqs
 from constructs import Construct
 
 from cdk.config import PRIORITIES, SluiceConfig
+from sluice.contract import MESSAGE_RETENTION_S
 
 
 class Queues(Construct):
@@ -23,7 +24,7 @@ class Queues(Construct):
                 queue_name=f"{name}-dlq",
                 encryption=sqs.QueueEncryption.SQS_MANAGED,
                 enforce_ssl=True,
-                retention_period=Duration.days(14),
+                retention_period=Duration.seconds(MESSAGE_RETENTION_S),
             )
             self.dlqs[priority] = dlq
             self.queues[priority] = sqs.Queue(
@@ -33,7 +34,7 @@ class Queues(Construct):
                 encryption=sqs.QueueEncryption.SQS_MANAGED,
                 enforce_ssl=True,
                 visibility_timeout=Duration.seconds(config.visibility_timeout_s),
-                retention_period=Duration.days(4),
+                retention_period=Duration.seconds(MESSAGE_RETENTION_S),
                 dead_letter_queue=sqs.DeadLetterQueue(queue=dlq, max_receive_count=config.max_attempts),
             )
 

@@ -9,6 +9,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from cdk.config import SluiceConfig
+from sluice.contract import RESULTS_PREFIX
 
 
 class Storage(Construct):
@@ -58,6 +59,10 @@ class Storage(Construct):
 
     def grant_objects(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.arn_for_objects("*")])
+
+    def grant_results(self, grantee: iam.IGrantable, actions: list[str]) -> None:
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions,
+                                   resource_arns=[self.bucket.arn_for_objects(f"{RESULTS_PREFIX}*")])
 
     def grant_bucket(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.bucket_arn])

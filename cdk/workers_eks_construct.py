@@ -116,6 +116,7 @@ class EksWorkers(Construct):
         queues.grant_dlqs(self.worker_role, access.SETTLE_DLQS)
         storage.grant_tasks(self.worker_role, sorted(set(access.WORKER_TASKS + access.SETTLE_TASKS)))
         storage.grant_objects(self.worker_role, access.WORKER_OBJECTS)
+        storage.grant_results(self.worker_role, access.WORKER_RESULTS)
         storage.grant_bucket(self.worker_role, access.WORKER_BUCKET)
         service_account = {
             "apiVersion": "v1",

@@ -126,6 +126,9 @@ class SageMakerWorkers(Construct):
             environment={
                 "SLUICE_SAGEMAKER_ENDPOINT": self.endpoint_name,
                 "SLUICE_INVOKE_TIMEOUT_S": str(min(60, config.longest_batch_s)),
+                # A batch splits into at most one call per task; all of them run
+                # at once, so the batch takes one call's time, within the timeout.
+                "SLUICE_DISPATCH_CONCURRENCY": str(config.dispatcher_batch_size),
                 "SLUICE_TASKS_TABLE": storage.tasks.table_name,
                 "SLUICE_BUCKET": storage.bucket.bucket_name,
                 "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
@@ -135,6 +138,7 @@ class SageMakerWorkers(Construct):
         fn = self.dispatcher.function
         storage.grant_tasks(fn, access.WORKER_TASKS)
         storage.grant_objects(fn, access.WORKER_OBJECTS)
+        storage.grant_results(fn, access.WORKER_RESULTS)
         storage.grant_bucket(fn, access.WORKER_BUCKET)
         fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:InvokeEndpoint"], resources=[self.endpoint.ref]))
         for priority in PRIORITIES:

@@ -11,7 +11,7 @@ import os
 from botocore.exceptions import ClientError
 
 from sluice.aws import client
-from sluice.contract import Priority
+from sluice.contract import INPUTS_PREFIX, MESSAGE_RETENTION_S, RESULTS_PREFIX, Priority
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.bootstrap")
@@ -43,13 +43,14 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
     for priority in Priority:
         dlq_url = sqs.create_queue(
             QueueName=settings.queue_name(priority, dlq=True),
-            Attributes={"MessageRetentionPeriod": str(14 * 24 * 3600)},
+            Attributes={"MessageRetentionPeriod": str(MESSAGE_RETENTION_S)},
         )["QueueUrl"]
         dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         # A task's last attempt ends with its message released, and that
         # message's next receive must move it to the DLQ: the queue's
         # maxReceiveCount is max_attempts (as in the CDK stack).
         attributes = {
+            "MessageRetentionPeriod": str(MESSAGE_RETENTION_S),
             "VisibilityTimeout": str(settings.visibility_timeout_s),
             "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_attempts)}),
         }
@@ -97,7 +98,7 @@ def ensure_tables(settings: Settings) -> None:
 
 # What Sluice writes, by prefix (sluice/adapters/payload_store.py). The rules
 # name these prefixes only: an existing bucket may hold other objects.
-PAYLOAD_PREFIXES = ("inputs/", "results/")
+PAYLOAD_PREFIXES = (INPUTS_PREFIX, RESULTS_PREFIX)
 
 
 def ensure_bucket(settings: Settings) -> None:

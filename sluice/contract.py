@@ -22,6 +22,15 @@ MAX_TASKS_PER_BATCH = 100
 MAX_DEADLINE_S = 7 * 24 * 3600
 MAX_METADATA_KEYS = 16
 
+# SQS's longest retention, on every queue: a message must outlive its task's
+# deadline, or SQS deletes it unseen (no DLQ, no settling) and the task stays
+# queued until its record expires.
+MESSAGE_RETENTION_S = 14 * 24 * 3600
+
+# Object key prefixes in the payload bucket: claim-checked inputs, large results.
+INPUTS_PREFIX = "inputs/"
+RESULTS_PREFIX = "results/"
+
 ModelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 InputText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_INPUT_CHARS)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]

@@ -16,7 +16,9 @@ task that keeps killing its worker from one that was only handed back.
 
 Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
-dropped). Results go inline when small and through S3 when large. A failure
+dropped). Results go inline when small and through S3 when large, under a key
+of their own run's, so a run that loses the write never replaces the object
+the record names (write_outcomes deletes the loser's). A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
 next receive then moves it to the dead-letter queue. A permanent failure (an
@@ -29,6 +31,8 @@ object is an outcome of its own task, never a failure of its batch.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +44,8 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import Change, TaskStore
 from sluice.contract import TaskMessage, TaskStatus
 from sluice.settings import Settings
+
+log = logging.getLogger("sluice.lifecycle")
 
 _ERROR_CHARS = 1000
 _QUEUED = (TaskStatus.queued,)
@@ -106,6 +112,16 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     return result
 
 
+def unclaim(store: TaskStore, jobs: list[Job]) -> None:
+    """For jobs that did not run after all (the endpoint turned the call away
+    unread): take back the start a redelivery's claim recorded, so that
+    settling, which counts recorded starts, hands such a task back rather
+    than failing it as one that kept killing its worker."""
+    changes = [Change(j.message.task_id, {}, _QUEUED, add_attempt=-1) for j in jobs if j.attempts > 1]
+    if changes:
+        store.apply_many(changes)  # a rejected one is final already: nothing to take back
+
+
 INPUT_UNAVAILABLE = "input_unavailable"
 INVALID_INPUT = "invalid_input"  # the model refuses the input (models.base.ModelInputError)
 _MISSING = {"NoSuchKey", "NotFound", "404"}
@@ -156,15 +172,23 @@ def _unreadable(job: Job, reason: str, permanent: bool = False) -> Outcome:
     return Outcome(job, error=reason, error_code=INPUT_UNAVAILABLE, permanent=permanent)
 
 
-def refused(job: Job, reason: str, model_version: str | None) -> Outcome:
-    """The model refuses the task's input: every attempt would fail the same way."""
-    return Outcome(job, error=reason, error_code=INVALID_INPUT, permanent=True, model_version=model_version)
+def refused(job: Job, reason: str, model_version: str | None, code: str = INVALID_INPUT) -> Outcome:
+    """The model (or the endpoint in front of it) refuses the task's input:
+    every attempt would fail the same way."""
+    return Outcome(job, error=reason, error_code=code, permanent=True, model_version=model_version)
+
+
+@dataclass
+class Upload:
+    task_id: str
+    key: str
+    body: bytes
 
 
 @dataclass
 class OutcomePlan:
     changes: list[Change] = field(default_factory=list)
-    uploads: list[tuple[str, bytes]] = field(default_factory=list)
+    uploads: list[Upload] = field(default_factory=list)
     succeeded: list[Outcome] = field(default_factory=list)
     retry: list[Outcome] = field(default_factory=list)  # attempts remain
     failed: list[Outcome] = field(default_factory=list)  # final; its message goes to the DLQ
@@ -193,8 +217,8 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
             # matters once a GPU makes the model cheap.
             body = to_json(o.result)
             if len(body) > settings.inline_result_max_bytes:
-                key = PayloadStore.result_key(o.job.message.tenant_id, task_id)
-                plan.uploads.append((key, body))
+                key = PayloadStore.result_key(o.job.message.tenant_id, task_id, uuid.uuid4().hex)
+                plan.uploads.append(Upload(task_id, key, body))
                 values["result_key"] = key
             else:
                 values["result_json"] = body.decode()
@@ -209,3 +233,19 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
             plan.retry.append(o)
         plan.changes.append(Change(task_id, values, _QUEUED))
     return plan
+
+
+def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> set[str]:
+    """Upload the plan's large results, then write its outcomes. Returns the ids
+    of the tasks whose write was rejected: final already (another delivery
+    finished it, or it was cancelled or expired meanwhile), which stands. A
+    rejected outcome's upload is deleted; it was under its own run's key."""
+    list(pool.map(lambda u: payloads.put_json(u.key, u.body), plan.uploads))
+    rejected = store.apply_many(plan.changes) if plan.changes else set()
+    for upload in plan.uploads:
+        if upload.task_id in rejected:
+            try:
+                payloads.delete(upload.key)
+            except (BotoCoreError, ClientError) as exc:  # the bucket's expiry rule removes it later
+                log.warning("could not delete a dropped result %s: %s", upload.key, type(exc).__name__)
+    return rejected

@@ -14,9 +14,13 @@ batches on the GPU; each result already has its task's shape. The server
 isolates a failing task by bisection, so a per-task error is a failed attempt
 of that task alone. An invocation is split only to stay within
 SageMaker's payload limits (tasks, inputs and bytes per call, see Dispatcher);
-the parts run concurrently. An invocation that fails as a whole (a 4xx or 5xx
-from the endpoint, a timeout, an unreadable answer) is a failed attempt of
-every task in it.
+the parts run concurrently. An invocation that fails as a whole (the
+container's error, a timeout, an unreadable answer) is a failed attempt of
+every task in it. One that SageMaker turned away before any container saw it
+(throttled, unavailable, no model ready, no connection) ran nothing: no
+outcome is written, the claim's recorded start is taken back (lifecycle.unclaim)
+and SQS delivers the messages again, so an endpoint outage does not spend
+attempts, as a dependency outage does not on EKS.
 """
 
 from __future__ import annotations
@@ -27,16 +31,27 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import TaskMessage, now_ms
-from sluice.lifecycle import INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, refused
+from sluice.lifecycle import (
+    INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, refused, unclaim, write_outcomes,
+)
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.dispatcher")
+
+# SageMaker's answers for a call no container saw (InvokeEndpoint's errors).
+_TURNED_AWAY = {"ThrottlingException", "ServiceUnavailable", "ModelNotReadyException"}
+# The endpoint's per-task verdicts that every attempt would repeat.
+_PERMANENT = {INVALID_INPUT, "validation_error"}
+
+
+class TurnedAway(Exception):
+    """The endpoint did not take the call: nothing ran."""
 
 
 
@@ -81,8 +96,12 @@ class Dispatcher:
         jobs = self._parse(deliveries)
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
         runnable, unreadable = load_inputs(self.payloads, self._claim(jobs, retry), self.pool)
-        outcomes = unreadable + self._infer(runnable)
-        self._record(outcomes, retry)
+        outcomes, turned_away = self._infer(runnable)
+        self._record(unreadable + outcomes, retry)
+        if turned_away:
+            unclaim(self.store, [job for job, _ in turned_away])
+            for job, reason in turned_away:
+                self._retry(retry, job, reason)
         return retry
 
     # ------------------------------------------------------------ claim
@@ -109,12 +128,20 @@ class Dispatcher:
         return claim(self.store, list(jobs.values()), now_ms()).runnable
 
     # ------------------------------------------------------------ infer
-    def _infer(self, jobs: list[Job]) -> list[Outcome]:
+    def _infer(self, jobs: list[Job]) -> tuple[list[Outcome], list[tuple[Job, str]]]:
+        """The outcomes, and the jobs of calls the endpoint turned away, with why."""
         by_model: dict[str, list[Job]] = {}
         for job in jobs:
             by_model.setdefault(job.message.model, []).append(job)
         calls = [call for name, group in by_model.items() for call in self._calls(name, group)]
-        return [o for outcomes in self.pool.map(lambda call: self._invoke(*call), calls) for o in outcomes]
+        outcomes: list[Outcome] = []
+        turned_away: list[tuple[Job, str]] = []
+        for call, result in zip(calls, self.pool.map(lambda call: self._invoke(*call), calls)):
+            if isinstance(result, TurnedAway):
+                turned_away += [(job, str(result)) for job in call[1]]
+            else:
+                outcomes += result
+        return outcomes, turned_away
 
     def _calls(self, model: str, jobs: list[Job]) -> list[tuple[str, list[Job]]]:
         """Split one model's jobs into as few invocations as the limits allow, in order."""
@@ -140,7 +167,7 @@ class Dispatcher:
             calls.append((model, current))
         return calls
 
-    def _invoke(self, model: str, jobs: list[Job]) -> list[Outcome]:
+    def _invoke(self, model: str, jobs: list[Job]) -> list[Outcome] | TurnedAway:
         body = b'{"model":' + json.dumps(model).encode() + b',"tasks":[' + b",".join(map(_task_json, jobs)) + b"]}"
         n_inputs = sum(len(job.inputs) for job in jobs)
         started = time.perf_counter()
@@ -157,6 +184,8 @@ class Dispatcher:
         except (BotoCoreError, ClientError, ValueError, KeyError, TypeError) as exc:
             reason = f"endpoint call failed: {_describe(exc)}"
             log.warning(reason, extra={"model": model, "tasks": len(jobs)})
+            if _turned_away(exc):
+                return TurnedAway(reason)
             return [Outcome(job, error=reason) for job in jobs]
         elapsed_ms = int((time.perf_counter() - started) * 1000)
         if self.metrics:
@@ -170,7 +199,7 @@ class Dispatcher:
                 error = a["error"] if isinstance(a["error"], dict) else {"message": str(a["error"])}
                 code = error.get("code", "model_error")
                 reason = f"{code}: {error.get('message', '')}"
-                outcomes.append(refused(job, reason, version) if code == INVALID_INPUT
+                outcomes.append(refused(job, reason, version, code) if code in _PERMANENT
                                 else Outcome(job, error=reason, model_version=version))
             else:
                 outcomes.append(
@@ -183,11 +212,8 @@ class Dispatcher:
     def _record(self, outcomes: list[Outcome], retry: dict[str, str]) -> None:
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
-        list(self.pool.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
-        # A rejected change means the task is final already (another delivery
-        # finished it, or it was cancelled or expired meanwhile): that stands,
-        # and its message is simply acknowledged.
-        rejected = self.store.apply_many(plan.changes) if plan.changes else set()
+        # A rejected outcome's task is final already: its message is simply acknowledged.
+        rejected = write_outcomes(self.store, self.payloads, plan, self.pool)
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
         # plan.unrunnable (inputs unreadable or refused by the model) is final at once: acknowledged.
@@ -205,6 +231,13 @@ class Dispatcher:
 
 def _task_json(job: Job) -> bytes:
     return json.dumps({"task_id": job.message.task_id, "inputs": job.inputs}, separators=(",", ":")).encode()
+
+
+def _turned_away(exc: Exception) -> bool:
+    if isinstance(exc, ClientError):
+        return exc.response.get("Error", {}).get("Code") in _TURNED_AWAY
+    # No connection was made (a read timeout, by contrast, may have run the model).
+    return isinstance(exc, EndpointConnectionError)
 
 
 def _describe(exc: Exception) -> str:

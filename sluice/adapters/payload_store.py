@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from sluice.aws import client, new_client
+from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
 from sluice.settings import Settings
 
 
@@ -24,11 +25,13 @@ class PayloadStore:
     def inputs_key(tenant_id: str, task_id: str, request_hash: str) -> str:
         # Named by the request too: a request that reuses an Idempotency-Key
         # with another body (answered 409) must not overwrite the first's inputs.
-        return f"inputs/{tenant_id}/{task_id}-{request_hash[:16]}.json"
+        return f"{INPUTS_PREFIX}{tenant_id}/{task_id}-{request_hash[:16]}.json"
 
     @staticmethod
-    def result_key(tenant_id: str, task_id: str) -> str:
-        return f"results/{tenant_id}/{task_id}.json"
+    def result_key(tenant_id: str, task_id: str, run: str) -> str:
+        # One key per run: a duplicate run that loses the outcome's conditional
+        # write has uploaded first, and must not replace the winner's object.
+        return f"{RESULTS_PREFIX}{tenant_id}/{task_id}/{run}.json"
 
     def put_json(self, key: str, body: bytes) -> None:
         self.s3.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")

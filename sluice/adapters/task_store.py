@@ -56,13 +56,14 @@ def from_item(item: dict[str, Any]) -> TaskRecord:
 
 @dataclass
 class Change:
-    """One conditional update: set values, optionally count an attempt, only
-    from the given statuses."""
+    """One conditional update: set values, optionally add to the attempts
+    (True adds one; -1 takes back a start that ran nothing), only from the
+    given statuses."""
 
     task_id: str
     set_values: dict[str, Any]
     allowed_from: tuple[TaskStatus, ...]
-    add_attempt: bool = False
+    add_attempt: int = 0
     remove: tuple[str, ...] = ()
 
     def update(self, table: str) -> dict[str, Any]:
@@ -73,10 +74,10 @@ class Change:
             names[f"#a{i}"] = attr
             values[f":v{i}"] = _ser.serialize(value)
             sets.append(f"#a{i} = :v{i}")
-        expr = "SET " + ", ".join(sets)
+        expr = "SET " + ", ".join(sets) if sets else ""
         if self.add_attempt:
-            expr += " ADD attempts :one"
-            values[":one"] = {"N": "1"}
+            expr += " ADD attempts :add"
+            values[":add"] = {"N": str(int(self.add_attempt))}
         if self.remove:
             for j, attr in enumerate(self.remove):
                 names[f"#r{j}"] = attr
@@ -89,7 +90,7 @@ class Change:
         return {
             "TableName": table,
             "Key": {"task_id": {"S": self.task_id}},
-            "UpdateExpression": expr,
+            "UpdateExpression": expr.strip(),
             "ConditionExpression": condition,
             "ExpressionAttributeNames": names,
             "ExpressionAttributeValues": values,
@@ -156,10 +157,15 @@ class TaskStore:
         items: list[dict[str, Any]] = []
         for chunk in _chunks(ids, 100):
             request = {self.table: {"Keys": [_key(t) for t in chunk], "ConsistentRead": True, **(options or {})}}
-            while request:
+            for attempt in range(6):
                 response = self.ddb.batch_get_item(RequestItems=request)
                 items += response["Responses"].get(self.table, [])
                 request = response.get("UnprocessedKeys") or {}
+                if not request:
+                    break
+                time.sleep(0.05 * 2**attempt)  # throttled: back off as the SDK would
+            if request:
+                raise RuntimeError(f"{len(request[self.table]['Keys'])} task records could not be read")
         return items
 
     def delete_if_queued(self, task_id: str, token: str | None = None) -> None:

@@ -26,7 +26,7 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes, refused
+from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes, refused, write_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
@@ -128,11 +128,9 @@ class BatchRunner:
         outcomes = prepared.unreadable + outcomes
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
-        list(self.io.map(lambda kv: self.payloads.put_json(*kv), plan.uploads))
-        # A rejected outcome means the task is final already (another delivery
-        # finished it, or it was cancelled or expired meanwhile): that stands,
-        # and its message is acknowledged whatever this attempt's outcome was.
-        rejected = self.store.apply_many(plan.changes) if plan.changes else set()
+        # A rejected outcome's task is final already: its message is
+        # acknowledged whatever this attempt's outcome was.
+        rejected = write_outcomes(self.store, self.payloads, plan, self.io)
         settled = plan.succeeded + plan.unrunnable + [
             o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]

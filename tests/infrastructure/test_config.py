@@ -53,6 +53,7 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_wait_ms": -5}, "max_wait_ms"),
         ({"result_ttl_days": 0}, "result_ttl_days"),
+        ({"dispatcher_batch_size": 101}, "dispatcher_batch_size"),
         ({"no_such_option": 1}, "unknown"),
     ],
 )

@@ -202,6 +202,14 @@ def test_three_queues_and_three_dlqs_dead_lettering_after_max_attempts(synth, ba
     assert targets == dlqs
 
 
+def test_every_queue_keeps_a_message_longer_than_any_deadline(synth, backend):
+    # SQS deletes an expired message unseen: it never reaches a DLQ or settling.
+    from sluice.contract import MAX_DEADLINE_S
+
+    for q in resources(synth.raw[backend], "AWS::SQS::Queue").values():
+        assert q["Properties"]["MessageRetentionPeriod"] == 14 * 24 * 3600 > MAX_DEADLINE_S
+
+
 def test_max_receive_count_follows_max_attempts():
     # A task's last attempt releases its message for the next receive to dead-letter it.
     from aws_cdk import App, Stack
@@ -434,6 +442,12 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
         assert m["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
         assert m["MaximumBatchingWindowInSeconds"] == config.dispatcher_batching_window_s
         assert m["BatchSize"] == config.dispatcher_batch_size
+    # At worst one endpoint call per task, all at once: a batch takes one call's time.
+    functions = resources(raw, "AWS::Lambda::Function").values()
+    (dispatcher,) = [f["Properties"] for f in functions if "dispatcher" in f["Properties"].get("Handler", "")]
+    env = dispatcher["Environment"]["Variables"]
+    assert int(env["SLUICE_DISPATCH_CONCURRENCY"]) >= config.dispatcher_batch_size
+    assert int(env["SLUICE_INVOKE_TIMEOUT_S"]) + 5 < dispatcher["Timeout"]
 
     invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
     (statement,) = invoke
@@ -461,7 +475,7 @@ def test_each_principal_gets_exactly_its_data_actions(synth, backend):
     raw = synth.raw[backend]
     api = role_actions(raw, function_role(raw, "lambdas.api.handler.handler"))
     assert api == set(access.API_TASKS + access.API_OBJECTS + access.API_BUCKET + access.API_QUEUES)
-    worker_data = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_BUCKET)
+    worker_data = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_RESULTS + access.WORKER_BUCKET)
     settling = set(access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
     if backend == "sagemaker":
         settler = role_actions(raw, function_role(raw, "lambdas.settler.handler.handler"))

@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
 from sluice.bootstrap import ensure_bucket, ensure_queues, ensure_resources
-from sluice.contract import Priority
+from sluice.contract import MAX_DEADLINE_S, Priority
 from sluice.settings import Settings
 
 
@@ -31,6 +31,16 @@ def test_each_queue_dead_letters_after_max_attempts_receives_even_when_it_change
     five = settings.model_copy(update={"max_attempts": 5})
     ensure_queues(five)  # queues that exist already take the new setting
     assert max_receive_counts(five) == {5}
+
+
+def test_every_queue_keeps_a_message_longer_than_any_deadline(settings):
+    # SQS deletes an expired message unseen: it never reaches a DLQ or settling.
+    sqs = boto3.client("sqs")
+    for p in Priority:
+        for dlq in (False, True):
+            url = sqs.get_queue_url(QueueName=settings.queue_name(p, dlq=dlq))["QueueUrl"]
+            kept = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["MessageRetentionPeriod"])["Attributes"]
+            assert int(kept["MessageRetentionPeriod"]) == 14 * 24 * 3600 > MAX_DEADLINE_S
 
 
 @pytest.mark.parametrize("bad", [0, 1001])

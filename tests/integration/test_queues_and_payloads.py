@@ -148,7 +148,7 @@ def test_a_dead_letter_sqs_did_not_store_elsewhere_stays_in_the_dlq(settings, mo
 
 def test_payloads_round_trip_and_presigned_url_serves_the_object(settings):
     store = PayloadStore(settings)
-    key = store.result_key("acme", "task1")
+    key = store.result_key("acme", "task1", "run1")
     store.put_json(key, json.dumps({"embeddings": [[0.5]]}).encode())
     assert store.get_json(key) == {"embeddings": [[0.5]]}
     with urllib.request.urlopen(store.presigned_get(key), timeout=5) as response:
@@ -159,7 +159,7 @@ def test_without_a_public_endpoint_urls_name_the_endpoint_in_use(settings, moto_
     # AWS leaves SLUICE_S3_PUBLIC_ENDPOINT unset: one client signs and calls, as before.
     store = PayloadStore(settings)
     assert settings.s3_public_endpoint is None and store.signer is store.s3
-    url = urlsplit(store.presigned_get(store.result_key("acme", "t")))
+    url = urlsplit(store.presigned_get(store.result_key("acme", "t", "r")))
     assert f"{url.scheme}://{url.netloc}" == moto_endpoint
 
 
@@ -168,7 +168,7 @@ def test_a_public_endpoint_changes_only_the_presigned_urls(settings, moto_endpoi
     # published port. `.invalid` never resolves, so a put or get sent there fails.
     public = settings.model_copy(update={"s3_public_endpoint": "http://s3.public.invalid:9000"})
     store = PayloadStore(public)
-    key = store.result_key("acme", "task-public")
+    key = store.result_key("acme", "task-public", "run1")
     store.put_json(key, json.dumps({"ok": 1}).encode())
     assert store.get_json(key) == {"ok": 1}  # both went to the real endpoint
     url = urlsplit(store.presigned_get(key))

@@ -75,3 +75,36 @@ def test_statuses_reads_only_the_status_of_tasks_that_exist(store):
     assert set(statuses) == {r.task_id for r in records}
     assert statuses[records[0].task_id] is TaskStatus.cancelled
     assert {statuses[r.task_id] for r in records[1:]} == {TaskStatus.queued}
+
+
+def test_keys_left_unprocessed_are_read_again_with_backoff_then_reported(store, monkeypatch):
+    # DynamoDB answers a throttled BatchGetItem with UnprocessedKeys, not an error.
+    from sluice.adapters import task_store
+
+    r = record()
+    store.create(r)
+    real, throttled_for, slept = store.ddb.batch_get_item, [2], []
+
+    def throttled(**request):
+        if throttled_for[0] > 0:
+            throttled_for[0] -= 1
+            return {"Responses": {}, "UnprocessedKeys": request["RequestItems"]}
+        return real(**request)
+
+    monkeypatch.setattr(store.ddb, "batch_get_item", throttled)
+    monkeypatch.setattr(task_store.time, "sleep", slept.append)
+    assert store.statuses([r.task_id]) == {r.task_id: TaskStatus.queued}
+    assert slept == [0.05, 0.1]
+    throttled_for[0] = 1000
+    with pytest.raises(RuntimeError, match="1 task records could not be read"):
+        store.get_many([r.task_id])
+    assert throttled_for[0] == 1000 - 6
+
+
+def test_an_attempt_is_taken_back_without_other_changes(store):
+    r = record()
+    store.create(r)
+    store.apply(Change(r.task_id, {"started_at": 5}, QUEUED, add_attempt=True))
+    store.apply(Change(r.task_id, {}, QUEUED, add_attempt=-1))
+    again = store.get(r.task_id)
+    assert again.attempts == 0 and again.started_at == 5 and again.status is TaskStatus.queued

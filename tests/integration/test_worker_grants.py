@@ -65,7 +65,7 @@ def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch
         thread.join(15)
     assert not thread.is_alive()
 
-    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_QUEUES
+    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_RESULTS + access.WORKER_QUEUES
                   + access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
     used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:SendMessage", "dynamodb:BatchGetItem",

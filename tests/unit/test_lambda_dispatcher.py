@@ -24,11 +24,14 @@ import boto3
 import pytest
 
 from cdk import access
+from containers.sagemaker import serve
 from containers.sagemaker.serve import Endpoint, RequestError
 from models.synthetic import SyntheticModel
+from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest, TaskStatus
+from sluice.dlq import settle_dead
 from sluice.settings import Settings
 
 ENDPOINT = "sluice-endpoint"
@@ -224,6 +227,19 @@ def test_an_input_the_model_refuses_fails_at_once_and_is_acknowledged(dispatch, 
     assert refused.error_code == "invalid_input" and "!fail" in refused.error_message
 
 
+def test_a_task_the_endpoint_finds_invalid_fails_at_once(dispatch, settings, monkeypatch):
+    # The endpoint's limits are the API's, so this only happens when the two
+    # drift apart (a rolling deploy); its verdict would be the same on every attempt.
+    monkeypatch.setattr(serve, "MAX_INPUTS_PER_TASK", 1)
+    good = submit(settings, {"model": "synthetic", "inputs": ["ok"]})
+    bad = submit(settings, {"model": "synthetic", "inputs": ["a", "b"]})
+    assert dispatch(sqs_event(settings, 2)) == {"batchItemFailures": []}
+    store = TaskStore(settings)
+    assert store.get(good[0]).status == TaskStatus.succeeded
+    invalid = store.get(bad[0])
+    assert invalid.status == TaskStatus.failed and invalid.error_code == "validation_error"
+
+
 def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
     cancelled, expired = submit(
         settings,
@@ -277,18 +293,42 @@ def test_a_missing_inputs_object_fails_its_task_alone_and_is_acknowledged(dispat
     assert key in record.error_message and "NoSuchKey" in record.error_message
 
 
-def test_an_endpoint_outage_fails_the_attempt_and_keeps_the_task(dispatch, settings, monkeypatch):
+def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings, monkeypatch):
+    # SageMaker answering 503 (an endpoint not in service, scaling, throttled)
+    # ran nothing. Even on a task's last delivery, the task stays queued with no
+    # start recorded, and its message goes back to SQS; once dead-lettered,
+    # settling hands it back instead of failing it.
     monkeypatch.setenv("SLUICE_SAGEMAKER_ENDPOINT", "an-endpoint-that-is-down")
     dispatch.module._dispatcher = None
     ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
-    event = sqs_event(settings, 2)
+    event = sqs_event(settings, 2, receive_count=3)
     response = dispatch(event)
     assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
     store = TaskStore(settings)
     for task_id in ids:
         record = store.get(task_id)
+        assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+    queues = PriorityQueues(settings)
+    for r in event["Records"]:  # what SQS does with them after maxReceiveCount
+        queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=r["body"])
+    counts = settle_dead(queues, store, [Priority.normal], max_attempts=3)
+    assert counts == {"failed": 0, "requeued": 2}
+    assert all(store.get(t).status == TaskStatus.queued for t in ids)
+
+
+def test_an_endpoint_error_for_the_whole_call_is_a_failed_attempt(dispatch, settings, monkeypatch):
+    # The container answered (here: it refuses a call with more inputs than it
+    # takes): the tasks may have run, so the attempt counts.
+    monkeypatch.setattr(serve, "MAX_INPUTS_PER_REQUEST", 1)
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
+    event = sqs_event(settings, 2)
+    assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
         assert record.status == TaskStatus.queued and record.attempts == 1
-        assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
+        assert record.error_code == "model_error" and "ModelError" in record.error_message
 
 
 def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, settings, monkeypatch):
@@ -343,7 +383,7 @@ def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monk
     aws_calls.clear()  # from here on
     dispatch(event)
     # The event source mapping itself receives and deletes (its grant: WORKER_QUEUES).
-    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + ["sagemaker:InvokeEndpoint"])
+    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_RESULTS + ["sagemaker:InvokeEndpoint"])
     used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "s3:GetObject", "s3:PutObject",
             "sagemaker:InvokeEndpoint"} <= used
