@@ -18,7 +18,7 @@ import json
 import time
 import traceback
 
-from bench import api, e2e, emulators, gpu, priorities, sdk, startup, worker
+from bench import api, e2e, emulators, gpu, priorities, report, sdk, startup, worker
 from bench.common import ROOT, RESULTS, BenchProblems, log, machine, save
 
 SUITE = {
@@ -114,6 +114,9 @@ def main() -> int:
     if a.plots or a.plots_only or not (a.only or a.quick):
         for path in plots():
             log(f"wrote {path}")
+        if not a.plots_only:
+            log("targets (python -m bench.report, also in summary.json):")
+            report.main()
     else:
         log("plots not redrawn (a partial or --quick run; --plots redraws them)")
     log(f"suite: {time.monotonic() - started:.0f}s; failed: {failed or 'none'}")

@@ -69,7 +69,20 @@ def machine() -> dict:
                 break
     import torch
 
-    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch.__version__}
+    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
+            "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The checkout measured: its commit, marked when the tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (the GPU kit's copy may not be)
+    return head + ("+changes" if dirty else "")
 
 
 def save(name: str, data: dict) -> Path:

@@ -1,0 +1,130 @@
+"""The issue's targets against the saved results, as the Markdown table
+docs/benchmarks.md shows: `.venv/bin/python -m bench.report`.
+
+Reads bench/results/*.json (or $SLUICE_BENCH_RESULTS); a benchmark without a
+result file is listed as not run. Prints the table and writes it, with each
+row's figures, to summary.json beside the results. The suite runs it after a
+full run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from bench.common import RESULTS, save
+
+
+@dataclass
+class Row:
+    target: str
+    wanted: str
+    measured: str
+    met: bool | None  # None: not measured in these results
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 2) if b else float("inf")
+
+
+def rows() -> list[Row]:
+    out: list[Row] = []
+    api = _load("api")
+    if api:
+        ph = api["phases"]
+        r50, r99 = api["ratio_p50_1"], api["ratio_p99_1"]
+        out.append(Row("1. API overhead, 1 client: API ÷ direct boto3", "≤ 1.25 (p50 and p99)",
+                       f"p50 {ph['api_1']['p50_ms']} / {ph['direct_1']['p50_ms']} ms = **{r50}**; "
+                       f"p99 {ph['api_1']['p99_ms']} / {ph['direct_1']['p99_ms']} ms = **{r99}**",
+                       r50 <= 1.25 and r99 <= 1.25))
+        p99 = ph["api_32"]["p99_ms"]
+        out.append(Row("1. API overhead, 32 clients", "≤ 1.25, API p99 < 50 ms",
+                       f"ratios p50 **{api['ratio_p50_32']}**, p99 **{api['ratio_p99_32']}**; API p99 **{p99} ms**",
+                       api["ratio_p50_32"] <= 1.25 and api["ratio_p99_32"] <= 1.25 and p99 < 50))
+    else:
+        out.append(Row("1. API overhead", "≤ 1.25; p99 < 50 ms at 32 clients", "not run", None))
+    worker = _load("worker")
+    if worker:
+        d, raw = worker["drain_32"], worker["raw_32"]
+        free = worker.get("drain_free_model", {})
+        out.append(Row("2. Worker efficiency: one worker ÷ raw model, batch 32, CPU", "≥ 0.8",
+                       f"{d['tasks_per_s']} ÷ {raw['per_s']}/s = **{worker['efficiency']}** "
+                       f"(zero-cost model: {free.get('tasks_per_s')} tasks/s = {worker.get('pipeline_ceiling')} × raw)",
+                       worker["efficiency"] >= 0.8))
+        out.append(Row("3. Batching gain: batch 32 ÷ batch 1", "≥ 3×",
+                       f"{d['tasks_per_s']} ÷ {worker['drain_1']['tasks_per_s']} = **{worker['batching_gain']}×**",
+                       worker["batching_gain"] >= 3))
+    else:
+        out.append(Row("2-3. Worker efficiency, batching gain", "≥ 0.8; ≥ 3×", "not run", None))
+    e2e = _load("e2e")
+    if e2e:
+        s = e2e["systems"]
+        sluice, ray = s["Sluice"], s.get("Ray Serve", {})
+        vs_ray, vs_raw = e2e.get("vs_ray"), e2e.get("vs_raw")
+        ray_fig = f"{ray['per_s']} req/s" if "per_s" in ray and ray.get("source") == "this run" else "not measured"
+        out.append(Row("4. End to end, 2000 requests, 64 clients: Sluice ÷ Ray Serve", "≥ 2×",
+                       f"{sluice.get('per_s')} ÷ {ray_fig} = **{vs_ray}**", vs_ray is not None and vs_ray >= 2))
+        out.append(Row("4. End to end: Sluice ÷ raw model (same run)", "≥ 0.7",
+                       f"{sluice.get('per_s')} ÷ {e2e['raw_32']['per_s']} = **{vs_raw}**",
+                       vs_raw is not None and vs_raw >= 0.7))
+    else:
+        out.append(Row("4. End to end against peers", "≥ 2× Ray Serve, ≥ 0.7 × raw", "not run", None))
+    pri = _load("priorities")
+    if pri:
+        per = pri["per_priority"]
+        ratio, share = pri["high_over_low_p50_wait"], pri["low_share_vs_configured"]
+        out.append(Row("5. Priorities under saturation: p50 queue wait high ÷ low; low's share", "≤ 1/5; ≥ its share",
+                       f"{per['high']['p50_queue_wait_s']} s ÷ {per['low']['p50_queue_wait_s']} s = **{ratio}** "
+                       f"({pri['high_over_low_is']}); low got **{share} ×** its configured share",
+                       ratio <= 0.2 and share >= 1.0))
+    else:
+        out.append(Row("5. Priorities under saturation", "≤ 1/5; low at its share", "not run", None))
+    gpu = _load("gpu")
+    drains = {k: v for k, v in (gpu or {}).items() if k.startswith("drain_") and isinstance(v, dict)}
+    if gpu and drains and not gpu.get("skipped"):
+        best_key = max(drains, key=lambda k: drains[k].get("gpu_util_pct") or 0)
+        best = drains[best_key]
+        util = best.get("gpu_util_pct") or 0
+        out.append(Row("6. GPU: utilization during the drain", "≥ 90%",
+                       f"{best_key}: **{util}%**, {best.get('inputs_per_s')} sentences/s, "
+                       f"{best.get('efficiency_vs_raw')} × raw, {best.get('fraction_of_peak_bf16')} of bf16 peak",
+                       util >= 90))
+    else:
+        why = (gpu or {}).get("skipped", "not run")
+        out.append(Row("6. GPU utilization", "≥ 90%", f"not measured: {why}", None))
+    startup = _load("startup")
+    if startup:
+        first = startup["runs"][0]
+        loads = first["model_loads_per_worker"]
+        out.append(Row(f"7. Start-up: `make run` to the first succeeded task ({first['sqs']} SQS)",
+                       "< 20 s, one model load per worker",
+                       f"**{first['first_task_s']} s**; loads per worker {sorted(loads.values())}",
+                       first["first_task_s"] < 20 and set(loads.values()) == {1}))
+    else:
+        out.append(Row("7. Start-up", "< 20 s", "not run", None))
+    return out
+
+
+def table(found: list[Row]) -> str:
+    lines = ["| Target | Wanted | Measured | Met? |", "|---|---|---|---|"]
+    for r in found:
+        met = "n/a" if r.met is None else ("yes" if r.met else "no")
+        lines.append(f"| {r.target} | {r.wanted} | {r.measured} | {met} |")
+    return "\n".join(lines)
+
+
+def main() -> str:
+    found = rows()
+    machine = _load("machine") or {}
+    text = table(found)
+    save("summary", {"machine": machine.get("machine"), "rows": [asdict(r) for r in found], "markdown": text})
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
