@@ -1,8 +1,8 @@
 """`sluice`: operator and client commands.
 
 Against the embedded profile (`make run`) it finds the emulator and the demo
-key in .sluice/embedded.json; elsewhere it uses the standard AWS variables and
-SLUICE_URL / SLUICE_API_KEY.
+key in .sluice/embedded.json, while the launcher that wrote it runs; elsewhere
+it uses the standard AWS variables and SLUICE_URL / SLUICE_API_KEY.
 """
 
 from __future__ import annotations
@@ -16,21 +16,44 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 STATE_FILE = Path(os.environ.get("SLUICE_STATE_DIR", ".sluice")) / "embedded.json"
 
 
 def _state() -> dict:
+    """The running `make run`'s state. A file left by a launcher that was killed
+    is ignored: its emulator is gone, and an operator meaning AWS would be sent there."""
     try:
-        return json.loads(STATE_FILE.read_text())
+        state = json.loads(STATE_FILE.read_text())
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) and _alive(state.get("pid")) else {}
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:  # 0 and below name process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # it exists, as another user's
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _use_embedded_endpoints() -> None:
-    """Point boto3 at the running embedded emulator unless endpoints are already set."""
-    if not any(k.startswith("AWS_ENDPOINT_URL") for k in os.environ):
-        for k, v in _state().get("env", {}).items():
-            os.environ.setdefault(k, v)
+    """Point boto3 at the running embedded emulator unless endpoints are already
+    set, and say so: the operator sees where the commands go."""
+    if any(k.startswith("AWS_ENDPOINT_URL") for k in os.environ):
+        return
+    env = _state().get("env", {})
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    if env:
+        endpoints = ", ".join(v for k, v in sorted(env.items()) if k.startswith("AWS_ENDPOINT_URL"))
+        print(f"sluice: using the `make run` emulator at {endpoints} ({STATE_FILE})", file=sys.stderr)
 
 
 def _settings():
@@ -85,8 +108,12 @@ def cmd_submit(args) -> int:
         # Long poll: the API answers as soon as the task is final.
         wait_s = round(min(remaining, 20), 1)
         status, payload = _http("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
-        if status >= 400 or payload.get("status") != "queued":
+        if status >= 400:
             return _print(status, payload)
+        if payload.get("status") != "queued":
+            _print(status, payload)
+            # A script waiting on the task must tell a result from an outcome without one.
+            return 0 if payload.get("status") == "succeeded" else 3
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2
 
@@ -127,7 +154,7 @@ def cmd_dlq(args) -> int:
     from sluice.adapters.queues import PriorityQueues
     from sluice.contract import Priority
     from sluice.adapters.task_store import TaskStore
-    from sluice.dlq import list_dead, redrive, settle_dead
+    from sluice.dlq import dead_count, list_dead, redrive, settle_dead
 
     settings = _settings()
     queues = PriorityQueues(settings)
@@ -138,10 +165,13 @@ def cmd_dlq(args) -> int:
         return 0
     if args.action == "settle":
         counts = settle_dead(queues, TaskStore(settings), priorities, settings.max_attempts, limit=args.limit)
-        print(f"failed {counts['failed']} tasks, requeued {counts['requeued']} messages")
-        return 0
-    moved = redrive(queues, priorities, limit=args.limit)
-    print(f"redrove {moved} messages")
+        done = f"failed {counts['failed']} tasks, requeued {counts['requeued']} messages"
+    else:
+        done = f"redrove {redrive(queues, priorities, limit=args.limit)} messages"
+    # What the round left (past --limit, or held hidden by a worker's settling
+    # round meanwhile) tells the operator whether to run it again.
+    where = f"the {args.priority} dead-letter queue still holds" if args.priority else "the dead-letter queues still hold"
+    print(f"{done}; {where} about {dead_count(queues, priorities)} messages")
     return 0
 
 
@@ -151,13 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", help="API key (default: SLUICE_API_KEY, or the demo key of `make run`)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("submit", help="submit one task")
+    p = sub.add_parser("submit", help="submit one task", epilog="exit status: 0 submitted, or with --wait succeeded; "
+                       "1 the API answered an error; with --wait, 2 still queued after --timeout, 3 failed, "
+                       "expired or cancelled")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--model", default="minilm-embed")
     p.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
     p.add_argument("--deadline", type=int, help="seconds")
-    p.add_argument("--wait", action="store_true", help="poll until the task is final")
-    p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--wait", action="store_true", help="poll until the task is final (exit status: below)")
+    p.add_argument("--timeout", type=float, default=60, help="seconds --wait waits (default: 60)")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("get", help="show a task")
@@ -186,7 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_dlq)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (BotoCoreError, ClientError) as exc:
+        # A wrong prefix, table, region or credentials: one line with what was used, not a traceback.
+        command = " ".join(filter(None, (args.command, getattr(args, "keys_command", None), getattr(args, "action", None))))
+        error = str(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
+        print(f"sluice {command}: {error} ({_aws_context()})", file=sys.stderr)
+        return 1
+
+
+def _aws_context() -> str:
+    from sluice.aws import client_config
+    from sluice.settings import Settings
+
+    settings = Settings()
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    return (f"queue prefix {settings.queue_prefix}, tasks table {settings.tasks_table}, keys table "
+            f"{settings.keys_table}, region {client_config(settings).region_name}"
+            + (f", endpoint {endpoint}" if endpoint else ""))
 
 
 if __name__ == "__main__":

@@ -44,12 +44,17 @@ _KNOWN_FINAL_MAX = 100_000  # task ids a settling process remembers as final
 def _receive_all(queues: PriorityQueues, url: str, limit: int, hide_s: int = 30) -> list[dict]:
     """Up to `limit` messages. Each receive hides what it got for `hide_s`, so
     the next one sees others (receiving with visibility 0 returns the same ten
-    every time); the caller makes visible again what it leaves in place."""
+    every time); the caller makes visible again what it leaves in place.
+
+    An empty answer ends it, so each receive long-polls for a second: a short
+    poll asks only a sample of SQS's servers and can answer empty while
+    messages wait. A long poll answers as soon as it has any, so only the last
+    receive waits."""
     found: list[dict] = []
     while len(found) < limit:
         response = queues.sqs.receive_message(
             QueueUrl=url, MaxNumberOfMessages=min(10, limit - len(found)), VisibilityTimeout=hide_s,
-            WaitTimeSeconds=0, MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+            WaitTimeSeconds=1, MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
         )
         messages = response.get("Messages", [])
         if not messages:
@@ -114,6 +119,17 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
     return found
 
 
+def dead_count(queues: PriorityQueues, priorities: list[Priority]) -> int:
+    """Messages in these DLQs as SQS approximates them, those another reader
+    holds hidden (a worker's settling round) included."""
+    total = 0
+    for priority in priorities:
+        attributes = queues.sqs.get_queue_attributes(QueueUrl=queues.dlq_url(priority), AttributeNames=[
+            "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+        total += int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
+    return total
+
+
 def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100) -> int:
     """Move DLQ messages back to their source queue."""
     moved = 0
@@ -170,9 +186,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                         keep.append(m)
                         continue
                     settled += 1
-                    if record.attempts >= max_attempts - 1:
-                        # A first delivery's start is not recorded (sluice.lifecycle), so
-                        # max_attempts - 1 recorded starts mean max_attempts runs.
+                    if _runs(record) >= max_attempts:
                         keep.append(m)
                         counts["failed"] += _fail_dead_lettered(store, record)
                     else:
@@ -187,13 +201,27 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     return counts
 
 
+def _runs(record: TaskRecord) -> int:
+    """How often a queued task started (sluice.lifecycle). An attempt that wrote
+    an outcome (a retried error) wrote the receive count: exact, and each later
+    start adds one. Without one, only redeliveries recorded their start: the
+    first delivery's is missing."""
+    return record.attempts if record.error_code else record.attempts + 1
+
+
 def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
     """1 if the task is now failed, 0 if it got an outcome meanwhile."""
+    runs = _runs(record)
+    # The failure replaces the task's last error: the message keeps it.
+    why = (f"the last error recorded: {record.error_code}: {record.error_message}" if record.error_code
+           else "the worker running it stopped each time")
     try:
         store.apply(Change(record.task_id, {
             "status": TaskStatus.failed.value, "finished_at": now_ms(), "error_code": "dead_lettered",
-            "error_message": f"no outcome after {record.attempts} attempts: the worker running it "
-                             "stopped each time; its message is in the dead-letter queue"}, _ACTIVE))
+            "error_message": f"no outcome after {runs} attempt{'s' if runs > 1 else ''} ({why}); "
+                             "its message is in the dead-letter queue"},
+            # Adds the first delivery's start where it is missing, to whatever starts are recorded by now.
+            _ACTIVE, add_attempt=runs - record.attempts))
     except TransitionRejected:
         return 0
     return 1

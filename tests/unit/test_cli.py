@@ -1,8 +1,12 @@
-"""The CLI against a local HTTP server standing where the API would be."""
+"""The CLI against a local HTTP server standing where the API would be, and
+its operator commands' errors against the emulator."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -54,3 +58,93 @@ def test_an_unreachable_api_is_one_line_naming_it():
     with pytest.raises(SystemExit) as stopped:
         cli.main(["--url", url, "--api-key", "k", "get", "t1"])
     assert str(stopped.value).startswith(f"sluice: cannot reach {url}")
+
+
+class Api(BaseHTTPRequestHandler):
+    """Accepts a task and shows it `final` when polled."""
+
+    final = "succeeded"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(202, {"task_id": "t1", "status": "queued"})
+
+    def do_GET(self):
+        self.answer(200, {"task_id": "t1", "status": self.final})
+
+    def answer(self, code: int, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def api():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("final, code", [("succeeded", 0), ("failed", 3), ("expired", 3), ("cancelled", 3)])
+def test_submit_wait_exits_0_only_for_a_result(api, final, code, monkeypatch, capsys):
+    monkeypatch.setattr(Api, "final", final)
+    assert cli.main(["--url", api, "--api-key", "k", "submit", "--wait", "hello"]) == code
+    assert json.loads(capsys.readouterr().out)["status"] == final
+
+
+@pytest.fixture
+def embedded_state(tmp_path, monkeypatch):
+    """Writes a `make run` state file naming `pid`; no endpoint set, the operator's own credentials.
+    What applying the state sets is removed after the test."""
+    for name in {k for k in os.environ if k.startswith("AWS_")} | {"AWS_ENDPOINT_URL", "AWS_REGION"}:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAOPERATOR")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "operator")
+    path = tmp_path / "embedded.json"
+    monkeypatch.setattr(cli, "STATE_FILE", path)
+
+    def write(pid: int):
+        path.write_text(json.dumps({"url": "http://127.0.0.1:9", "api_key": "sk_demo", "pid": pid, "env": {
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "embedded", "AWS_SECRET_ACCESS_KEY": "embedded",
+            "AWS_REGION": "us-east-1"}}))
+
+    return write
+
+
+def test_a_state_file_left_by_a_killed_launcher_is_ignored(embedded_state, capsys):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    embedded_state(gone.pid)
+    cli._settings()
+    assert "AWS_ENDPOINT_URL" not in os.environ and os.environ["AWS_ACCESS_KEY_ID"] == "AKIAOPERATOR"
+    assert cli._state() == {}  # nor its API URL or demo key
+    assert capsys.readouterr().err == ""
+
+
+def test_the_running_launchers_state_is_used_and_named(embedded_state, capsys):
+    embedded_state(os.getpid())
+    cli._settings()
+    assert os.environ["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+    assert "http://127.0.0.1:9" in capsys.readouterr().err  # the operator sees where commands go
+
+
+@pytest.mark.parametrize("command, env, named", [
+    (["dlq", "list"], {"SLUICE_QUEUE_PREFIX": "no-such-prefix"}, "queue prefix no-such-prefix"),
+    (["keys", "create", "--tenant", "a"], {"SLUICE_KEYS_TABLE": "no-such-keys"}, "keys table no-such-keys"),
+])
+def test_an_aws_error_is_one_line_naming_what_was_used(settings, monkeypatch, capsys, command, env, named):
+    monkeypatch.setenv("SLUICE_TASKS_TABLE", settings.tasks_table)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(command) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"sluice {command[0]} {command[1]}: ") and named in err and "region us-east-1" in err, err
