@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -21,6 +21,19 @@ MAX_INPUT_CHARS = 8192
 MAX_TASKS_PER_BATCH = 100
 MAX_DEADLINE_S = 7 * 24 * 3600
 MAX_METADATA_KEYS = 16
+MAX_TASK_ID_CHARS = 64
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+MAX_WAIT_S = 20  # GET /v1/tasks/{task_id}?wait_s=: the longest long poll
+
+# One call of the SageMaker endpoint (containers/sagemaker/serve.py). SageMaker
+# caps a request and its response at 6 MB each: the dispatcher sends at most
+# MAX_TASKS_PER_CALL tasks and MAX_INPUTS_PER_CALL inputs a call (256 MiniLM
+# embeddings are about 2 MB of JSON); the endpoint takes up to the ENDPOINT_
+# limits from any caller.
+MAX_TASKS_PER_CALL = 64
+MAX_INPUTS_PER_CALL = 256
+ENDPOINT_MAX_TASKS_PER_REQUEST = MAX_TASKS_PER_BATCH
+ENDPOINT_MAX_INPUTS_PER_REQUEST = 1024
 
 # SQS's longest retention, on every queue: a message must outlive its task's
 # deadline, or SQS deletes it unseen (no DLQ, no settling) and the task stays
@@ -35,6 +48,12 @@ ModelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63
 InputText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_INPUT_CHARS)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=256)]
+# A task's inputs, as the API takes them and the endpoint runs them.
+TaskInputs = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS_PER_TASK)]
+# The API's path and header parameters (sluice/api/app.py).
+TaskId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
+IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)]
+WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S)]
 
 
 class Priority(str, enum.Enum):
@@ -97,11 +116,7 @@ class SubmitRequest(_Strict):
     """What a client posts to create one task."""
 
     model: ModelName = Field(description="Name of a model from GET /v1/models.")
-    inputs: list[InputText] = Field(
-        min_length=1,
-        max_length=MAX_INPUTS_PER_TASK,
-        description="Texts to run through the model; results come back in the same order.",
-    )
+    inputs: TaskInputs = Field(description="Texts to run through the model; results come back in the same order.")
     priority: Priority = Priority.normal
     # Strict: "10" or true is refused here as API Gateway's model (the same
     # schema) refuses it on AWS, so both deployments answer alike.
@@ -179,6 +194,12 @@ class ModelList(BaseModel):
     models: list[ModelInfo]
 
 
+class Health(BaseModel):
+    """GET /health: the process answers (no dependency is touched)."""
+
+    status: Literal["ok"]
+
+
 class Readiness(BaseModel):
     """GET /ready: 200 when every dependency answers, 503 naming the ones that do not."""
 
@@ -223,6 +244,15 @@ class TaskMessage(_Strict):
     deadline_at: int | None = None
     enqueued_at: int
 
+    @model_validator(mode="after")
+    def _inputs_inline_xor_by_key(self) -> TaskMessage:
+        # A message that breaks this is not a task: workers and the dispatcher drop it.
+        if (self.inputs is None) == (self.inputs_key is None):
+            raise ValueError("a task message carries its inputs inline or an inputs_key, exactly one of them")
+        if self.inputs is not None and len(self.inputs) != self.input_count:
+            raise ValueError(f"input_count is {self.input_count} but the message carries {len(self.inputs)} inputs")
+        return self
+
 
 class TaskRecord(BaseModel):
     """One item of the tasks table."""
@@ -250,6 +280,9 @@ class TaskRecord(BaseModel):
     error_message: str | None = None
     metadata: dict[str, str] | None = None
     expires_at: int | None = Field(default=None, description="DynamoDB TTL, epoch seconds.")
+    # Which submit wrote or last claimed the record: only that submit's rollback
+    # may delete it (sluice.api.service). Internal: never part of the view.
+    submit_token: str | None = None
 
     def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
         queue_ms = self.started_at - self.created_at if self.started_at else None
@@ -278,6 +311,74 @@ class TaskRecord(BaseModel):
             attempts=self.attempts,
             metadata=self.metadata,
         )
+
+
+# ------------------------------------------- SageMaker endpoint (serve.py) calls
+#
+# The dispatcher Lambda (lambdas/dispatcher/dispatch.py) sends EndpointTasksRequest
+# and reads EndpointTasksReply; containers/sagemaker/serve.py reads and answers
+# them, and also takes a single EndpointRequest (-> EndpointResult). Its errors
+# for a whole request are ErrorResponse. Unknown fields are ignored both ways,
+# so either side may be a release ahead while a deploy rolls.
+
+
+class _Call(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class EndpointRequest(_Call):
+    """One task's inputs (or a bare JSON list of them), run as one result."""
+
+    model: str | None = Field(default=None, description="The endpoint's first model when absent.")
+    inputs: list[InputText] = Field(min_length=1, max_length=ENDPOINT_MAX_INPUTS_PER_REQUEST)
+
+
+class EndpointResult(_Call):
+    model: str
+    model_version: str
+    result: Any
+
+
+class EndpointTask(_Call):
+    task_id: str = Field(min_length=1)
+    inputs: TaskInputs
+
+
+class EndpointTasksRequest(_Call):
+    """Many tasks in one call, sharing the model's batches. The endpoint judges
+    each task's inputs on its own: a task that breaks the rules gets a
+    `validation_error` answer and the others still run."""
+
+    model: str | None = Field(default=None, description="The endpoint's first model when absent.")
+    tasks: list[EndpointTask] = Field(min_length=1, max_length=ENDPOINT_MAX_TASKS_PER_REQUEST)
+
+    @model_validator(mode="after")
+    def _inputs_per_request(self) -> EndpointTasksRequest:
+        total = sum(len(task.inputs) for task in self.tasks)
+        if total > ENDPOINT_MAX_INPUTS_PER_REQUEST:
+            raise ValueError(f"the tasks hold {total} inputs; at most {ENDPOINT_MAX_INPUTS_PER_REQUEST} a request")
+        return self
+
+
+class EndpointTaskAnswer(_Call):
+    """A task's result, or its error: `validation_error` and `invalid_input`
+    would be the same on every attempt, `model_error` is this attempt's."""
+
+    task_id: str
+    result: Any = None
+    error: TaskError | None = None
+
+    @model_validator(mode="after")
+    def _result_xor_error(self) -> EndpointTaskAnswer:
+        if ("result" in self.model_fields_set) == (self.error is not None):
+            raise ValueError("a task's answer holds its result or its error, exactly one of them")
+        return self
+
+
+class EndpointTasksReply(_Call):
+    model: str
+    model_version: str
+    tasks: list[EndpointTaskAnswer] = Field(description="One answer per task, in request order.")
 
 
 class ApiKeyRecord(BaseModel):

@@ -41,7 +41,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic_core import to_json
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import Change, TaskStore
+from sluice.adapters.task_store import Change, TaskStore, expire
 from sluice.contract import TaskMessage, TaskStatus
 from sluice.settings import Settings
 
@@ -92,7 +92,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     for job in jobs:
         job.started_at = now
         if job.message.deadline_at is not None and job.message.deadline_at <= now:
-            expiries.append(Change(job.message.task_id, {"status": TaskStatus.expired.value, "finished_at": now}, _QUEUED))
+            expiries.append(expire(job.message.task_id, now))
             result.expired.append(job)
         elif job.attempts > 1:
             redelivered.append(job)

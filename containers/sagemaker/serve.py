@@ -11,11 +11,18 @@ two forms:
   in request order. The dispatcher Lambda sends a whole SQS batch this way so
   that its tasks share the model's batches on the GPU.
 
+Both forms, their replies and the error body are models of sluice.contract
+(EndpointRequest -> EndpointResult, EndpointTasksRequest -> EndpointTasksReply,
+ErrorResponse), with the contract's limits: a request holds at most
+ENDPOINT_MAX_INPUTS_PER_REQUEST inputs; in the many-task form, at most
+ENDPOINT_MAX_TASKS_PER_REQUEST tasks, each with inputs as the API allows them.
+A task whose inputs break the rules gets a `validation_error` answer; the
+others still run.
+
 Either way the inputs run through the model in chunks of SLUICE_MAX_BATCH_SIZE
-(or the model's own max_batch_size, if smaller). A request holds at most 1024
-inputs; in the many-task form, at most 100 tasks of 64 inputs each, as the API allows. In
-the many-task form a model failure is bisected (sluice.isolation) until the
-task that causes it stands alone, and only that task gets an error.
+(or the model's own max_batch_size, if smaller). In the many-task form a model
+failure is bisected (sluice.isolation) until the task that causes it stands
+alone, and only that task gets an error.
 
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
@@ -33,24 +40,41 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pydantic import BaseModel, ValidationError
+
 from models.base import ModelInputError
 from models.registry import load_models
-from sluice.contract import MAX_INPUT_CHARS, MAX_INPUTS_PER_TASK, MAX_TASKS_PER_BATCH
+from sluice.contract import (
+    EndpointRequest,
+    EndpointResult,
+    EndpointTask,
+    EndpointTaskAnswer,
+    EndpointTasksReply,
+    EndpointTasksRequest,
+    ErrorBody,
+    ErrorResponse,
+    TaskError,
+)
 from sluice.isolation import run_isolating
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.sagemaker")
 
 JSON = "application/json"
-# A request's work is bounded as an async task's is: the dispatcher sends at most
-# 64 tasks and 256 inputs a call, and a response over 6 MB is one SageMaker drops.
-MAX_INPUTS_PER_REQUEST = 1024
 
 
 class RequestError(Exception):
     def __init__(self, status: HTTPStatus, code: str, message: str):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+    def reply(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(code=self.code, message=self.message))
+
+
+def body_of(reply: BaseModel) -> bytes:
+    """A reply as JSON: only the fields it was given (a task's answer holds a result or an error)."""
+    return reply.model_dump_json(exclude_unset=True).encode()
 
 
 class Endpoint:
@@ -64,7 +88,7 @@ class Endpoint:
         self.max_batch_size = max_batch_size  # SLUICE_MAX_BATCH_SIZE; each model's own limit applies too
         self._locks = {name: threading.Lock() for name in models}
 
-    def invoke(self, body: bytes, content_type: str | None) -> dict:
+    def invoke(self, body: bytes, content_type: str | None) -> EndpointResult | EndpointTasksReply:
         if content_type and content_type.split(";")[0].strip().lower() not in (JSON, "application/x-json"):
             raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type",
                                f"send {JSON}, not {content_type}")
@@ -82,71 +106,57 @@ class Endpoint:
             request = {"inputs": request}
         if not isinstance(request, dict):
             raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", 'send {"inputs": [...]} or a JSON list')
-        name = request.get("model") or self.default_model
-        if not isinstance(name, str):
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", "model must be a string")
+        if "tasks" in request:
+            return self._invoke_tasks(request)
+        try:
+            single = EndpointRequest.model_validate(request)
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        name, model = self._model(single.model)
+        try:
+            with self._locks[name]:
+                outputs = self._predict(model, single.inputs)
+        except ModelInputError as exc:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
+        return EndpointResult(model=name, model_version=model.version, result=model.result_for_task(outputs))
+
+    def _model(self, name: str | None):
+        name = name or self.default_model
         model = self.models.get(name)
         if model is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "unknown_model",
                                f"unknown model {name!r}; served: {', '.join(sorted(self.models))}")
-        if "tasks" in request:
-            return self._invoke_tasks(name, model, request["tasks"])
-        inputs = request.get("inputs")
-        problem = _inputs_problem(inputs, "inputs", MAX_INPUTS_PER_REQUEST)
-        if problem:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", problem)
-        try:
-            with self._locks[name]:
-                outputs = self._predict(model, inputs)
-        except ModelInputError as exc:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
-        return {"model": name, "model_version": model.version, "result": model.result_for_task(outputs)}
+        return name, model
 
-    def _invoke_tasks(self, name: str, model, tasks) -> dict:
-        if not isinstance(tasks, list) or not 1 <= len(tasks) <= MAX_TASKS_PER_BATCH:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
-                               f"tasks must be a list of 1 to {MAX_TASKS_PER_BATCH} tasks")
-        answers: list[dict | None] = [None] * len(tasks)
-        runnable: list[tuple[int, str, list[str]]] = []
-        for i, task in enumerate(tasks):
-            task_id = task.get("task_id") if isinstance(task, dict) else None
-            if not isinstance(task_id, str) or not task_id:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
-                                   f"tasks[{i}] must be an object with a task_id string")
-            # A bad task is that task's error, not the request's: the others still run.
-            problem = _inputs_problem(task.get("inputs"), f"tasks[{i}].inputs", MAX_INPUTS_PER_TASK)
-            if problem:
-                answers[i] = {"task_id": task_id, "error": {"code": "validation_error", "message": problem}}
-            else:
-                runnable.append((i, task_id, task["inputs"]))
-        total = sum(len(inputs) for _, _, inputs in runnable)
-        if total > MAX_INPUTS_PER_REQUEST:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error",
-                               f"the tasks hold {total} inputs; at most {MAX_INPUTS_PER_REQUEST} a request")
+    def _invoke_tasks(self, request: dict) -> EndpointTasksReply:
+        # A bad task is that task's error, not the request's: the others still run.
+        tasks, answers = _read_tasks(request)
+        name, model = self._model(request.get("model"))
 
-        def run(group: list[tuple[int, str, list[str]]]) -> list[dict]:
-            outputs = self._predict(model, [text for _, _, inputs in group for text in inputs])
+        def run(group: list[tuple[int, EndpointTask]]) -> list[EndpointTaskAnswer]:
+            outputs = self._predict(model, [text for _, task in group for text in task.inputs])
             answered, offset = [], 0
-            for _, task_id, inputs in group:
-                result = model.result_for_task(outputs[offset : offset + len(inputs)])
-                answered.append({"task_id": task_id, "result": result})
-                offset += len(inputs)
+            for _, task in group:
+                result = model.result_for_task(outputs[offset : offset + len(task.inputs)])
+                answered.append(EndpointTaskAnswer(task_id=task.task_id, result=result))
+                offset += len(task.inputs)
             return answered
 
-        def failed(task: tuple[int, str, list[str]], exc: Exception) -> dict:
+        def failed(item: tuple[int, EndpointTask], exc: Exception) -> EndpointTaskAnswer:
+            task_id = item[1].task_id
             if isinstance(exc, ModelInputError):
-                return {"task_id": task[1], "error": {"code": "invalid_input", "message": str(exc)}}
+                return EndpointTaskAnswer(task_id=task_id, error=TaskError(code="invalid_input", message=str(exc)))
             # Logged here in full; the caller gets no internals, as with a 500.
-            log.error("the model failed on task %s", task[1], exc_info=exc)
-            return {"task_id": task[1], "error": {"code": "model_error",
-                                                   "message": f"the model failed on this task ({type(exc).__name__})"}}
+            log.error("the model failed on task %s", task_id, exc_info=exc)
+            return EndpointTaskAnswer(task_id=task_id, error=TaskError(
+                code="model_error", message=f"the model failed on this task ({type(exc).__name__})"))
 
-        if runnable:
+        if tasks:
             with self._locks[name]:
-                results = run_isolating(run, runnable, failed)
-            for (i, _, _), answer in zip(runnable, results):
+                results = run_isolating(run, tasks, failed)
+            for (i, _), answer in zip(tasks, results):
                 answers[i] = answer
-        return {"model": name, "model_version": model.version, "tasks": answers}
+        return EndpointTasksReply(model=name, model_version=model.version, tasks=answers)
 
 
     def _predict(self, model, inputs: list[str]) -> list:
@@ -160,13 +170,44 @@ class Endpoint:
         return outputs
 
 
-def _inputs_problem(inputs, where: str, most: int) -> str | None:
-    if not isinstance(inputs, list) or not 1 <= len(inputs) <= most:
-        return f"{where} must be a list of 1 to {most} inputs"
-    for i, text in enumerate(inputs):
-        if not isinstance(text, str) or not 1 <= len(text) <= MAX_INPUT_CHARS:
-            return f"{where}[{i}] must be a string of 1 to {MAX_INPUT_CHARS} characters"
-    return None
+def _read_tasks(request: dict) -> tuple[list[tuple[int, EndpointTask]], list[EndpointTaskAnswer | None]]:
+    """The tasks to run, by position, and an answer slot per task: filled
+    with a `validation_error` for each task whose inputs break the contract.
+    A fault anywhere else (the task list, a task_id, the model's name, the
+    inputs of the whole request) refuses the request."""
+    raw = request.get("tasks")
+    try:
+        parsed = EndpointTasksRequest.model_validate(request)
+        return list(enumerate(parsed.tasks)), [None] * len(parsed.tasks)
+    except ValidationError as exc:
+        refused: dict[int, str] = {}
+        for error in exc.errors(include_url=False):
+            loc = error["loc"]
+            if len(loc) < 3 or loc[0] != "tasks" or loc[2] != "inputs":
+                raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", _describe(error)) from None
+            refused.setdefault(loc[1], _describe(error))
+    answers: list[EndpointTaskAnswer | None] = [
+        EndpointTaskAnswer(task_id=task["task_id"], error=TaskError(code="validation_error", message=refused[i]))
+        if i in refused else None
+        for i, task in enumerate(raw)
+    ]
+    kept = [i for i in range(len(raw)) if i not in refused]
+    if not kept:
+        return [], answers
+    try:  # the others, with the request's own rules (its inputs in all) over them
+        parsed = EndpointTasksRequest.model_validate({**request, "tasks": [raw[i] for i in kept]})
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    return list(zip(kept, parsed.tasks)), answers
+
+
+def _describe(error) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
+def _invalid(exc: ValidationError) -> RequestError:
+    return RequestError(HTTPStatus.BAD_REQUEST, "validation_error", _describe(exc.errors(include_url=False)[0]))
 
 
 def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
@@ -176,7 +217,7 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self):
             if self.path.split("?")[0] == "/ping":
-                self._send(HTTPStatus.OK, {"status": "ok", "models": sorted(endpoint.models)})
+                self._send(HTTPStatus.OK, json.dumps({"status": "ok", "models": sorted(endpoint.models)}).encode())
             else:
                 self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
 
@@ -194,9 +235,9 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                                    f"request body is over {endpoint.max_payload_bytes} bytes")
             body = self.rfile.read(int(length))
             try:
-                self._send(HTTPStatus.OK, endpoint.invoke(body, self.headers.get("Content-Type")))
+                self._send(HTTPStatus.OK, body_of(endpoint.invoke(body, self.headers.get("Content-Type"))))
             except RequestError as err:
-                self._error(err.status, err.code, err.message)
+                self._send(err.status, body_of(err.reply()))
             except Exception:
                 log.exception("invocation failed")
                 self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "model_error", "the model failed on this request")
@@ -209,10 +250,9 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         def _error(self, status: HTTPStatus, code: str, message: str):
-            self._send(status, {"error": {"code": code, "message": message}})
+            self._send(status, body_of(RequestError(status, code, message).reply()))
 
-        def _send(self, status: HTTPStatus, payload: dict):
-            data = json.dumps(payload, separators=(",", ":")).encode()
+        def _send(self, status: HTTPStatus, data: bytes):
             self.send_response(status)
             self.send_header("Content-Type", JSON)
             self.send_header("Content-Length", str(len(data)))

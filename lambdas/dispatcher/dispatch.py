@@ -6,17 +6,19 @@ SQS redeliver what failed until maxReceiveCount moves it to the DLQ. The only
 differences: Lambda deletes the messages it is told succeeded, and the model
 runs behind an endpoint.
 
-The endpoint speaks containers/sagemaker/serve.py's many-task contract: the
-runnable tasks of a batch go in one invocation per model,
-{"model", "tasks": [{"task_id", "inputs"}, ...]} -> {"model_version", "tasks":
-[{"task_id", "result"} | {"task_id", "error"}]}, so that they share the model's
-batches on the GPU; each result already has its task's shape. The server
-isolates a failing task by bisection, so a per-task error is a failed attempt
-of that task alone. An invocation is split only to stay within
-SageMaker's payload limits (tasks, inputs and bytes per call, see Dispatcher);
-the parts run concurrently. An invocation that fails as a whole (the
-container's error, a timeout, an unreadable answer) is a failed attempt of
-every task in it. One that SageMaker turned away before any container saw it
+The endpoint speaks containers/sagemaker/serve.py's many-task contract
+(sluice.contract's EndpointTasksRequest -> EndpointTasksReply): the runnable
+tasks of a batch go in one invocation per model, so that they share the
+model's batches on the GPU; each result already has its task's shape. The
+endpoint judges each task's inputs and isolates a failing task by bisection,
+so a per-task error is that task's alone: a failed attempt, or final at once
+when every attempt would get it (`invalid_input`, `validation_error`). An
+invocation is split only to stay within SageMaker's payload limits (the
+contract's MAX_TASKS_PER_CALL and MAX_INPUTS_PER_CALL, and bytes per call, see
+Dispatcher); the parts run concurrently. An invocation that fails as a whole
+(the container's error, a timeout, an answer that is not an EndpointTasksReply)
+is a failed attempt of every task in it, and a task it does not answer is a
+failed attempt of that task. One that SageMaker turned away before any container saw it
 (throttled, unavailable, no model ready, no connection) ran nothing: no
 outcome is written, the claim's recorded start is taken back (lifecycle.unclaim)
 and SQS delivers the messages again, so an endpoint outage does not spend
@@ -25,7 +27,6 @@ attempts, as a dependency outage does not on EKS.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,15 @@ from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import TaskStore
-from sluice.contract import TaskMessage, now_ms
+from sluice.contract import (
+    MAX_INPUTS_PER_CALL,
+    MAX_TASKS_PER_CALL,
+    EndpointTask,
+    EndpointTasksReply,
+    EndpointTasksRequest,
+    TaskMessage,
+    now_ms,
+)
 from sluice.lifecycle import (
     INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, refused, unclaim, write_outcomes,
 )
@@ -70,16 +79,15 @@ class Dispatcher:
         runtime,
         metrics=None,
         concurrency: int = 8,
-        max_tasks_per_call: int = 64,
-        max_inputs_per_call: int = 256,
+        max_tasks_per_call: int = MAX_TASKS_PER_CALL,
+        max_inputs_per_call: int = MAX_INPUTS_PER_CALL,
         max_call_bytes: int = 5 * 2**20,
     ):
         self.settings = settings
         self.endpoint = endpoint
         self.runtime = runtime
         # SageMaker caps a request and its response at 6 MB each. The byte cap
-        # bounds the request with headroom; the input cap bounds the response
-        # (256 MiniLM embeddings are about 2 MB of JSON).
+        # bounds the request with headroom; the input cap bounds the response.
         self.max_tasks_per_call = max_tasks_per_call
         self.max_inputs_per_call = max_inputs_per_call
         self.max_call_bytes = max_call_bytes
@@ -149,7 +157,7 @@ class Dispatcher:
         current: list[Job] = []
         inputs = size = 0
         for job in jobs:
-            job_size = len(_task_json(job)) + 1
+            job_size = len(_task(job).model_dump_json()) + 1
             job_inputs = len(job.inputs)
             if current and (
                 len(current) >= self.max_tasks_per_call
@@ -168,7 +176,8 @@ class Dispatcher:
         return calls
 
     def _invoke(self, model: str, jobs: list[Job]) -> list[Outcome] | TurnedAway:
-        body = b'{"model":' + json.dumps(model).encode() + b',"tasks":[' + b",".join(map(_task_json, jobs)) + b"]}"
+        # Not validated here: the endpoint judges each task, so that a bad one is its own error.
+        request = EndpointTasksRequest.model_construct(model=model, tasks=[_task(job) for job in jobs])
         n_inputs = sum(len(job.inputs) for job in jobs)
         started = time.perf_counter()
         try:
@@ -176,12 +185,12 @@ class Dispatcher:
                 EndpointName=self.endpoint,
                 ContentType="application/json",
                 Accept="application/json",
-                Body=body,
+                Body=request.model_dump_json().encode(),
             )
-            answer = json.loads(response["Body"].read())
-            answers = {a["task_id"]: a for a in answer["tasks"]}
-            version = answer.get("model_version")
-        except (BotoCoreError, ClientError, ValueError, KeyError, TypeError) as exc:
+            answer = EndpointTasksReply.model_validate_json(response["Body"].read())
+            answers = {a.task_id: a for a in answer.tasks}
+            version = answer.model_version
+        except (BotoCoreError, ClientError, ValueError) as exc:  # a ValidationError is a ValueError
             reason = f"endpoint call failed: {_describe(exc)}"
             log.warning(reason, extra={"model": model, "tasks": len(jobs)})
             if _turned_away(exc):
@@ -193,17 +202,16 @@ class Dispatcher:
         outcomes = []
         for job in jobs:
             a = answers.get(job.message.task_id)
-            if not isinstance(a, dict) or ("result" not in a and "error" not in a):
+            if a is None:
                 outcomes.append(Outcome(job, error="endpoint call failed: no answer for this task"))
-            elif "error" in a:
-                error = a["error"] if isinstance(a["error"], dict) else {"message": str(a["error"])}
-                code = error.get("code", "model_error")
-                reason = f"{code}: {error.get('message', '')}"
+            elif a.error is not None:
+                code = a.error.code
+                reason = f"{code}: {a.error.message}"
                 outcomes.append(refused(job, reason, version, code) if code in _PERMANENT
                                 else Outcome(job, error=reason, model_version=version))
             else:
                 outcomes.append(
-                    Outcome(job, result=a["result"], inference_ms=elapsed_ms, batch_size=n_inputs,
+                    Outcome(job, result=a.result, inference_ms=elapsed_ms, batch_size=n_inputs,
                             model_version=version)
                 )
         return outcomes
@@ -229,8 +237,8 @@ class Dispatcher:
             retry[d.message_id] = reason
 
 
-def _task_json(job: Job) -> bytes:
-    return json.dumps({"task_id": job.message.task_id, "inputs": job.inputs}, separators=(",", ":")).encode()
+def _task(job: Job) -> EndpointTask:
+    return EndpointTask.model_construct(task_id=job.message.task_id, inputs=job.inputs)
 
 
 def _turned_away(exc: Exception) -> bool:

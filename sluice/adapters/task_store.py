@@ -1,7 +1,11 @@
 """DynamoDB tasks table.
 
 Every status change is a conditional write, so a task only moves forward and a
-duplicate delivery can never overwrite a finished result. A batch's changes are
+duplicate delivery can never overwrite a finished result. Each update is a
+Change, checked against the contract when it is made: it names only TaskRecord
+fields, and its condition admits only statuses from which the contract's
+ALLOWED_TRANSITIONS allow its new status (none that is final, for a change
+that keeps the status). A batch's changes are
 independent conditional UpdateItem calls issued in parallel, not one
 TransactWriteItems: no change needs another to succeed, transactions cost twice
 the write capacity on AWS, and moto's implementation copies the whole table on
@@ -19,7 +23,7 @@ from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
 
 from sluice.aws import client
-from sluice.contract import TaskRecord, TaskStatus
+from sluice.contract import TaskRecord, TaskStatus, can_transition
 from sluice.settings import Settings
 
 _ser = TypeSerializer()
@@ -54,17 +58,36 @@ def from_item(item: dict[str, Any]) -> TaskRecord:
     return TaskRecord.model_validate(plain)
 
 
+_SETTABLE = frozenset(TaskRecord.model_fields) - {"task_id"}  # the key is never updated
+_REMOVABLE = frozenset(name for name, f in TaskRecord.model_fields.items() if not f.is_required())
+
+
 @dataclass
 class Change:
     """One conditional update: set values, optionally add to the attempts
     (True adds one; -1 takes back a start that ran nothing), only from the
-    given statuses."""
+    given statuses. Raises ValueError when made against the contract (see the
+    module's docstring): a mistake in the code, never a race."""
 
     task_id: str
     set_values: dict[str, Any]
     allowed_from: tuple[TaskStatus, ...]
     add_attempt: int = 0
     remove: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = (self.set_values.keys() - _SETTABLE) | (set(self.remove) - _REMOVABLE)
+        if unknown:
+            raise ValueError(f"not task record fields that an update may change: {sorted(unknown)}")
+        if not self.allowed_from:
+            raise ValueError("a change applies from at least one status")
+        target = self.set_values.get("status")
+        for source in self.allowed_from:
+            if target is None:
+                if source.is_terminal:
+                    raise ValueError(f"a {source.value} task is final: its record is never written again")
+            elif not can_transition(source, TaskStatus(target)):
+                raise ValueError(f"no transition from {source.value} to {TaskStatus(target).value}")
 
     def update(self, table: str) -> dict[str, Any]:
         names: dict[str, str] = {"#s": "status"}
@@ -107,9 +130,7 @@ class TaskStore:
     def create(self, record: TaskRecord, token: str | None = None) -> None:
         """`token` names the submit that wrote the record; only that submit's
         compensation may delete it (see delete_if_queued)."""
-        item = to_item(record)
-        if token:
-            item["submit_token"] = {"S": token}
+        item = to_item(record.model_copy(update={"submit_token": token}) if token else record)
         try:
             self.ddb.put_item(
                 TableName=self.table,
@@ -128,9 +149,10 @@ class TaskStore:
     def create_many(self, records: list[TaskRecord], token: str | None = None) -> None:
         """Write fresh records (their ids are new, so no condition is needed).
         Raises if any could not be written; the caller rolls back what was."""
-        extra = {"submit_token": {"S": token}} if token else {}
+        if token:
+            records = [r.model_copy(update={"submit_token": token}) for r in records]
         for chunk in _chunks(records, _BATCH_WRITE_LIMIT):
-            request = {self.table: [{"PutRequest": {"Item": {**to_item(r), **extra}}} for r in chunk]}
+            request = {self.table: [{"PutRequest": {"Item": to_item(r)}} for r in chunk]}
             for attempt in range(6):
                 request = self.ddb.batch_write_item(RequestItems=request).get("UnprocessedItems") or {}
                 if not request:
@@ -225,6 +247,12 @@ class TaskStore:
         else:
             rejected = list(self._pool.map(one, unique))
         return {task_id for task_id in rejected if task_id}
+
+
+def expire(task_id: str, now: int) -> Change:
+    """A task past its deadline without an outcome: the claim of a worker (or
+    the dispatcher) and the API's read of it write the same change."""
+    return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, (TaskStatus.queued,))
 
 
 def _key(task_id: str) -> dict[str, Any]:

@@ -27,12 +27,16 @@ from sluice.contract import (
     BatchSubmitRequest,
     ErrorDetail,
     ErrorResponse,
+    Health,
+    IdempotencyKey,
     ModelList,
     Priority,
     Readiness,
     SubmitRequest,
     TaskAccepted,
+    TaskId,
     TaskView,
+    WaitSeconds,
 )
 from sluice.settings import Settings
 
@@ -43,15 +47,14 @@ _ERRORS = {
     for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
 _HTTP_CODES = {400: "malformed_body", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
-TaskId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        min_length=1,
-        max_length=128,
-        description="Makes a retried submit return the task the first call created.",
-    ),
+# The parameters' rules are the contract's types; only where each is read is said here.
+TaskIdParam = Annotated[TaskId, Path()]
+IdempotencyKeyHeader = Annotated[
+    IdempotencyKey | None,
+    Header(alias="Idempotency-Key", description="Makes a retried submit return the task the first call created."),
+]
+WaitParam = Annotated[
+    WaitSeconds, Query(description="Long poll: wait up to this many seconds for the task to be final.")
 ]
 
 
@@ -228,10 +231,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     Tenant = Annotated[str, Depends(tenant)]
 
-    @app.get("/health", tags=["ops"])
-    def health() -> dict:
+    @app.get("/health", tags=["ops"], response_model=Health)
+    def health() -> Health:
         """Liveness: the process answers. Touches no dependency."""
-        return {"status": "ok"}
+        return Health(status="ok")
 
     @app.get("/ready", tags=["ops"], response_model=Readiness,
              responses={503: {"model": Readiness, "description": "A dependency does not answer."}})
@@ -250,7 +253,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except Exception as exc:
                 checks[name] = type(exc).__name__
         ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks}, status_code=200 if ok else 503)
+        readiness = Readiness(status="ready" if ok else "not_ready", checks=checks)
+        return JSONResponse(readiness.model_dump(mode="json"), status_code=200 if ok else 503)
 
     # The routes are `async` and hand only the blocking AWS calls to a thread:
     # for a plain `def` route FastAPI also validates the response in a thread,
@@ -260,24 +264,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return ModelList(models=service.list_models())
 
     @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"])
-    async def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None) -> TaskAccepted:
+    async def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None) -> TaskAccepted:
         return await run_in_threadpool(service.submit, tenant_id, body, idempotency_key)
 
     @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"])
     async def submit_batch(
-        body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKey = None
+        body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None
     ) -> BatchAccepted:
         return await run_in_threadpool(service.submit_batch, tenant_id, body, idempotency_key)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
-    async def get_task(
-        task_id: TaskId,
-        tenant_id: Tenant,
-        wait_s: Annotated[
-            float,
-            Query(ge=0, le=20, description="Long poll: wait up to this many seconds for the task to be final."),
-        ] = 0,
-    ) -> TaskView:
+    async def get_task(task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:
         if wait_s:
             # The first look joins the waiter's shared read round instead of a GetItem of its own.
             # (A task it did not find is looked up once more, and answers 404.)
@@ -294,7 +291,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
-    async def cancel_task(task_id: TaskId, tenant_id: Tenant) -> TaskView:
+    async def cancel_task(task_id: TaskIdParam, tenant_id: Tenant) -> TaskView:
         return await run_in_threadpool(service.cancel, tenant_id, task_id)
 
     return app

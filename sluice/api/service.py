@@ -28,7 +28,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from models.registry import CATALOGUE, ModelSpec
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, SendFailed
-from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected
+from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected, expire
 from sluice.api.backlog import QueueBacklog
 from sluice.api.errors import ApiError, not_found, unavailable
 from sluice.api.group_commit import GroupCommit
@@ -380,9 +380,7 @@ class TaskService:
             # Past its deadline without an outcome: a result now is no longer
             # wanted, so it says so at once rather than when a worker gets to it.
             try:
-                record = self.store.apply(
-                    Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now_ms()}, (TaskStatus.queued,))
-                )
+                record = self.store.apply(expire(task_id, now_ms()))
             except TransitionRejected as rejected:
                 record = rejected.current or record
         return record

@@ -132,6 +132,18 @@ def test_idempotency_key_returns_the_same_task_and_rejects_a_different_body(api,
     assert clash.status_code == 409
 
 
+def test_the_submit_token_stays_in_the_table_and_out_of_the_answer(api, settings):
+    store = TaskStore(settings)
+    task_id = submit(api, api.key_a, **{"Idempotency-Key": "token-1"}).json()["task_id"]
+    first = store.get(task_id).submit_token
+    assert first
+    submit(api, api.key_a, **{"Idempotency-Key": "token-1"})  # the retry claims the record with its own token
+    assert store.get(task_id).submit_token not in (None, first)
+    view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a})
+    assert view.status_code == 200 and "submit_token" not in view.json()
+    assert store.get(task_id).submit_token not in view.text
+
+
 def test_a_refused_reuse_of_an_idempotency_key_leaves_the_first_tasks_inputs_alone(api, settings):
     # Over the inline limit, so both bodies' inputs go to the bucket.
     first_inputs, other_inputs = ["A" * 8000] * 10, ["B" * 8000] * 10
@@ -203,6 +215,18 @@ def test_openapi_docs_are_served(api):
         "#/components/schemas/Readiness"}
     assert "SubmitRequest" in schema["components"]["schemas"]
     assert "/v1/tasks/{task_id}" in schema["paths"]
+
+
+def test_the_parameters_keep_the_contract_s_rules(api):
+    headers = {"x-api-key": api.key_a}
+    task_id = submit(api, api.key_a).json()["task_id"]
+    assert api.get(f"/v1/tasks/{task_id}?wait_s=0.1", headers=headers).status_code == 200
+    for path in ("x" * 65, "not.an.id", f"{task_id}?wait_s=20.5", f"{task_id}?wait_s=-1"):
+        response = api.get(f"/v1/tasks/{path}", headers=headers)
+        assert response.status_code == 422, path
+    assert api.delete("/v1/tasks/" + "x" * 65, headers=headers).status_code == 422
+    assert submit(api, api.key_a, **{"Idempotency-Key": "k" * 129}).status_code == 422
+    assert submit(api, api.key_a, **{"Idempotency-Key": "k" * 128}).status_code == 202
 
 
 def test_a_number_too_long_to_parse_is_400_naming_the_body(api, settings):

@@ -108,3 +108,16 @@ def test_an_attempt_is_taken_back_without_other_changes(store):
     store.apply(Change(r.task_id, {}, QUEUED, add_attempt=-1))
     again = store.get(r.task_id)
     assert again.attempts == 0 and again.started_at == 5 and again.status is TaskStatus.queued
+
+
+def test_the_submit_token_is_part_of_the_record(store):
+    r = record()
+    store.create(r, token="tok-1")
+    assert store.get(r.task_id).submit_token == "tok-1"
+    # An idempotent retry claims the record with its own token...
+    assert store.apply(Change(r.task_id, {"submit_token": "tok-2"}, QUEUED)).submit_token == "tok-2"
+    store.delete_if_queued(r.task_id, "tok-1")  # ...so the first try's rollback leaves it alone
+    assert store.get(r.task_id).submit_token == "tok-2"
+    fresh = [record() for _ in range(2)]
+    store.create_many(fresh, token="tok-3")
+    assert {t.submit_token for t in store.get_many([t.task_id for t in fresh]).values()} == {"tok-3"}

@@ -66,14 +66,14 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
             return self._send(503, {"message": "endpoint not in service"}, "ServiceUnavailable")
         self.calls.append(json.loads(body))
         try:
-            return self._send(200, self.endpoint.invoke(body, self.headers.get("Content-Type")))
+            return self._send(200, serve.body_of(self.endpoint.invoke(body, self.headers.get("Content-Type"))))
         except RequestError as err:
-            original = json.dumps({"error": {"code": err.code, "message": err.message}})
+            original = serve.body_of(err.reply()).decode()
             message = f"Received client error ({err.status.value}) from primary with message \"{original}\"."
             return self._send(424, {"message": message, "OriginalStatusCode": err.status.value}, "ModelError")
 
-    def _send(self, status: int, payload: dict, error_type: str | None = None):
-        data = json.dumps(payload).encode()
+    def _send(self, status: int, payload: dict | bytes, error_type: str | None = None):
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -230,7 +230,17 @@ def test_an_input_the_model_refuses_fails_at_once_and_is_acknowledged(dispatch, 
 def test_a_task_the_endpoint_finds_invalid_fails_at_once(dispatch, settings, monkeypatch):
     # The endpoint's limits are the API's, so this only happens when the two
     # drift apart (a rolling deploy); its verdict would be the same on every attempt.
-    monkeypatch.setattr(serve, "MAX_INPUTS_PER_TASK", 1)
+    from pydantic import Field
+
+    from sluice.contract import EndpointTask, EndpointTasksRequest, InputText
+
+    class OneInput(EndpointTask):
+        inputs: list[InputText] = Field(min_length=1, max_length=1)
+
+    class Stricter(EndpointTasksRequest):
+        tasks: list[OneInput] = Field(min_length=1)
+
+    monkeypatch.setattr(serve, "EndpointTasksRequest", Stricter)
     good = submit(settings, {"model": "synthetic", "inputs": ["ok"]})
     bad = submit(settings, {"model": "synthetic", "inputs": ["a", "b"]})
     assert dispatch(sqs_event(settings, 2)) == {"batchItemFailures": []}
@@ -238,6 +248,56 @@ def test_a_task_the_endpoint_finds_invalid_fails_at_once(dispatch, settings, mon
     assert store.get(good[0]).status == TaskStatus.succeeded
     invalid = store.get(bad[0])
     assert invalid.status == TaskStatus.failed and invalid.error_code == "validation_error"
+
+
+def test_calls_are_the_contract_s_endpoint_requests_within_its_call_limits(dispatch, settings):
+    from sluice.contract import MAX_INPUTS_PER_CALL, MAX_TASKS_PER_CALL, EndpointTasksRequest
+
+    d = dispatch.module.dispatcher()
+    assert (d.max_tasks_per_call, d.max_inputs_per_call) == (MAX_TASKS_PER_CALL, MAX_INPUTS_PER_CALL)
+    ids = submit(settings, {"model": "synthetic", "inputs": ["caf\u00e9", "\u6771\u4eac"]}, {"model": "synthetic", "inputs": ["b"]})
+    SageMakerRuntime.calls.clear()
+    assert dispatch(sqs_event(settings, 2)) == {"batchItemFailures": []}
+    (call,) = SageMakerRuntime.calls
+    request = EndpointTasksRequest.model_validate(call)
+    assert request.model == "synthetic" and sorted(t.task_id for t in request.tasks) == sorted(ids)
+    assert ["caf\u00e9", "\u6771\u4eac"] in [t.inputs for t in request.tasks]
+
+
+def test_a_message_without_inputs_is_not_a_task_and_is_acknowledged(dispatch, settings):
+    # Neither inline inputs nor an inputs_key: no delivery could run it. It used
+    # to be read as inputs_key None, a failed attempt retried into the DLQ.
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    event = sqs_event(settings, 1)
+    body = json.loads(event["Records"][0]["body"])
+    del body["inputs"]
+    event["Records"][0]["body"] = json.dumps({**body, "input_count": 5})
+    SageMakerRuntime.calls.clear()
+    assert dispatch(event) == {"batchItemFailures": []}
+    assert SageMakerRuntime.calls == []
+    record = TaskStore(settings).get(task_id)
+    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
+def test_an_answer_off_the_contract_is_a_failed_attempt_of_the_whole_call(dispatch, settings, monkeypatch):
+    ids = submit(settings, *({"model": "synthetic", "inputs": [f"w{i}"]} for i in range(2)))
+    d = dispatch.module.dispatcher()
+    real = d.runtime.invoke_endpoint
+
+    def garble(**kwargs):
+        response = real(**kwargs)
+        body = json.loads(response["Body"].read())
+        body["tasks"][0] = {"task_id": body["tasks"][0]["task_id"], "error": "a string, not {code, message}"}
+        return {**response, "Body": io.BytesIO(json.dumps(body).encode())}
+
+    monkeypatch.setattr(d.runtime, "invoke_endpoint", garble)
+    event = sqs_event(settings, 2)
+    assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.queued and record.attempts == 1
+        assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
 
 
 def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
@@ -318,9 +378,9 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
 
 
 def test_an_endpoint_error_for_the_whole_call_is_a_failed_attempt(dispatch, settings, monkeypatch):
-    # The container answered (here: it refuses a call with more inputs than it
+    # The container answered (here: it refuses a call with a larger body than it
     # takes): the tasks may have run, so the attempt counts.
-    monkeypatch.setattr(serve, "MAX_INPUTS_PER_REQUEST", 1)
+    monkeypatch.setattr(SageMakerRuntime.endpoint, "max_payload_bytes", 16)
     ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
     event = sqs_event(settings, 2)
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}

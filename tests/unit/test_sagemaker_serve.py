@@ -147,7 +147,8 @@ def test_only_the_poison_task_fails_among_healthy_ones():
     endpoint = serve.Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
     tasks = [{"task_id": f"ok-{i}", "inputs": [f"text {i}", "more"]} for i in range(7)]
     tasks.insert(5, {"task_id": "poison", "inputs": ["fine", "boom !fail"]})
-    body = endpoint.invoke(json.dumps({"model": "synthetic", "tasks": tasks}).encode(), "application/json")
+    body = json.loads(serve.body_of(endpoint.invoke(json.dumps({"model": "synthetic", "tasks": tasks}).encode(),
+                                                    "application/json")))
     assert [a["task_id"] for a in body["tasks"]] == [t["task_id"] for t in tasks]
     for task, answer in zip(tasks, body["tasks"]):
         if task["task_id"] == "poison":
@@ -176,6 +177,27 @@ def test_a_task_with_bad_inputs_fails_alone(server):
     assert status == 200
     assert body["tasks"][0] == {"task_id": "a", "result": {"outputs": ["X"]}}
     assert [a["error"]["code"] for a in body["tasks"][1:]] == ["validation_error", "validation_error"]
+
+
+def test_requests_and_replies_are_the_contract_s_models(server):
+    from sluice.contract import EndpointResult, EndpointTasksReply, ErrorResponse
+
+    port, model = server
+    status, body = call(port, "POST", "/invocations", {"inputs": ["a"]})
+    assert status == 200 and EndpointResult.model_validate(body).result == {"outputs": ["A"]}
+    tasks = [{"task_id": "a", "inputs": ["x"]}, {"task_id": "b", "inputs": ["y", ""]}, {"task_id": "c", "inputs": ["!bad"]}]
+    status, body = call(port, "POST", "/invocations", {"tasks": tasks})
+    reply = EndpointTasksReply.model_validate(body)
+    assert status == 200 and [a.task_id for a in reply.tasks] == ["a", "b", "c"]
+    assert [a.error.code if a.error else a.result for a in reply.tasks] == [
+        {"outputs": ["X"]}, "validation_error", "invalid_input"]
+    assert reply.tasks[1].error.message.startswith("tasks.1.inputs.1: ")  # named as the API names a field
+    # Every task refused: answered without running the model.
+    status, body = call(port, "POST", "/invocations", {"tasks": [{"task_id": "d", "inputs": []}]})
+    assert status == 200 and EndpointTasksReply.model_validate(body).tasks[0].error.code == "validation_error"
+    assert model.batches == [["a"], ["x"]]
+    status, body = call(port, "POST", "/invocations", b"{not json")
+    assert status == 400 and ErrorResponse.model_validate(body).error.code == "malformed_json"
 
 
 @pytest.mark.parametrize(
@@ -210,7 +232,7 @@ def test_the_configured_batch_size_caps_the_model_s_own():
     model = Recording()  # its own limit is 4
     endpoint = serve.Endpoint({"echo": model}, default_model="echo", max_batch_size=3)
     answer = endpoint.invoke(json.dumps({"inputs": [f"t{i}" for i in range(7)]}).encode(), "application/json")
-    assert answer["result"]["outputs"] == [f"T{i}" for i in range(7)]
+    assert answer.result["outputs"] == [f"T{i}" for i in range(7)]
     assert [len(b) for b in model.batches] == [3, 3, 1]
 
 
