@@ -26,11 +26,19 @@ from sluice.settings import Settings
 # It also names Sluice as the caller in CloudTrail.
 _USER_AGENT = f"sluice/{__version__} botocore/{botocore.__version__} python/{platform.python_version()}"
 
+# A call that has not answered within this is retried (standard mode, 3 tries):
+# a hung dependency costs a caller about 15 s, not minutes, so the API answers
+# 503 well inside API Gateway's 29 s and its rollback runs (a submit the client
+# gave up on must not land later). Every call Sluice makes answers in
+# milliseconds but one: a receive's long poll, which gets its wait on top.
+_READ_TIMEOUT_S = 4
+LONG_POLL_MAX_S = 20  # SQS's longest WaitTimeSeconds
+
 _lock = threading.Lock()
 _clients: dict[tuple, object] = {}
 
 
-def client_config(settings: Settings, endpoint_url: str | None = None) -> Config:
+def client_config(settings: Settings, endpoint_url: str | None = None, long_poll: bool = False) -> Config:
     custom_s3_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return Config(
         region_name=_region(settings),
@@ -38,7 +46,7 @@ def client_config(settings: Settings, endpoint_url: str | None = None) -> Config
         user_agent=_USER_AGENT,
         parameter_validation=False,
         connect_timeout=2,
-        read_timeout=25,  # must exceed the SQS long-poll wait
+        read_timeout=_READ_TIMEOUT_S + (LONG_POLL_MAX_S if long_poll else 0),
         max_pool_connections=32,
         # SigV4 everywhere: presigned S3 URLs must work on MinIO/SeaweedFS too.
         signature_version="s3v4",
@@ -67,23 +75,24 @@ def _ask_keep_alive(request, **_) -> None:
     request.headers["Connection"] = "keep-alive"
 
 
-def new_client(service: str, settings: Settings, endpoint_url: str | None = None):
+def new_client(service: str, settings: Settings, endpoint_url: str | None = None, long_poll: bool = False):
     """A client of its own with Sluice's config; most callers want the shared one, `client()`.
-    `endpoint_url` overrides the endpoint boto3 would resolve from the environment."""
+    `endpoint_url` overrides the endpoint boto3 would resolve from the environment;
+    `long_poll` gives it the time an SQS receive may wait."""
     made = boto3.session.Session().client(service, endpoint_url=endpoint_url,
-                                          config=client_config(settings, endpoint_url))
+                                          config=client_config(settings, endpoint_url, long_poll))
     made.meta.events.register("before-send", _ask_keep_alive)
     return made
 
 
-def client(service: str, settings: Settings):
-    """A shared, thread-safe client per (service, process, endpoint)."""
+def client(service: str, settings: Settings, long_poll: bool = False):
+    """A shared, thread-safe client per (service, process, endpoint, long_poll)."""
     # The endpoint variables are part of the key: a process that talks to one
     # emulator and then another (tests, the embedded launcher) must not reuse
     # a client bound to the first.
     endpoints = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_ENDPOINT_URL")))
-    key = (service, str(os.getpid()), endpoints)
+    key = (service, str(os.getpid()), endpoints, long_poll)
     with _lock:
         if key not in _clients:
-            _clients[key] = new_client(service, settings)
+            _clients[key] = new_client(service, settings, long_poll=long_poll)
         return _clients[key]

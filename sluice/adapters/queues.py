@@ -49,6 +49,8 @@ class PriorityQueues:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.sqs = client("sqs", settings)
+        # Receives wait up to 20 s by design; every other call is bounded short.
+        self.poller = client("sqs", settings, long_poll=True)
         self._urls: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -109,7 +111,7 @@ class PriorityQueues:
 
     # --------------------------------------------------------------- receive
     def receive(self, priority: Priority, max_messages: int, wait_s: int, visibility_s: int) -> list[Received]:
-        response = self.sqs.receive_message(
+        response = self.poller.receive_message(
             QueueUrl=self.url(priority),
             MaxNumberOfMessages=max(1, min(_SQS_BATCH, max_messages)),
             WaitTimeSeconds=wait_s,

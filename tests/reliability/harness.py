@@ -272,9 +272,11 @@ def _record_figures(name: str, figures: dict) -> None:
 
 # ------------------------------------------------------------------- proxy
 class TcpProxy:
-    """A TCP relay in front of the emulator that can be cut and restored.
-    Cutting resets every open connection and every new one, the way a network
-    partition or a crashed endpoint looks to a client; the emulator keeps its
+    """A TCP relay in front of the emulator that can be cut and restored, or
+    stalled and resumed. Cutting resets every open connection and every new
+    one, the way a network partition or a crashed endpoint looks to a client;
+    stalling accepts connections and holds every byte until resumed, the way a
+    hung process looks (its requests then land late). The emulator keeps its
     state, so the scenario can check what was (not) written."""
 
     def __init__(self, target_port: int):
@@ -283,6 +285,8 @@ class TcpProxy:
         self.port = self.server.getsockname()[1]
         self.up = threading.Event()
         self.up.set()
+        self.flowing = threading.Event()
+        self.flowing.set()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -297,16 +301,20 @@ class TcpProxy:
             if not self.up.is_set():
                 _reset(client)
                 continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=2)
-                upstream.settimeout(None)
-            except OSError:
-                _reset(client)
-                continue
-            with self._lock:
-                self._conns.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._open, args=(client,), daemon=True).start()
+
+    def _open(self, client: socket.socket) -> None:
+        self.flowing.wait()
+        try:
+            upstream = socket.create_connection(self.target, timeout=2)
+            upstream.settimeout(None)
+        except OSError:
+            _reset(client)
+            return
+        with self._lock:
+            self._conns.update((client, upstream))
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -314,6 +322,7 @@ class TcpProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                self.flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -333,8 +342,15 @@ class TcpProxy:
     def restore(self) -> None:
         self.up.set()
 
+    def stall(self) -> None:
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
     def close(self) -> None:
         self._closed = True
+        self.resume()
         self.cut()
         self.server.close()
 

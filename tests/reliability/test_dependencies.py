@@ -115,3 +115,48 @@ def test_an_outage_gets_503s_leaves_nothing_half_written_and_workers_resume(tmp_
         assert figures["lost"] == 0, ledger.lost_examples()
         assert figures["duplicated"] == 0
         assert figures["succeeded"] == len(accepted)
+
+
+HUNG_REPLY_BOUND_S = 25  # inside API Gateway's 29 s, so the client sees Sluice's 503, not a gateway 504
+
+
+def test_a_hung_dependency_gets_a_503_in_bounded_time_and_nothing_lands_after_it(settings, moto_endpoint,
+                                                                                  monkeypatch):
+    """A hung emulator (a frozen process: connections accepted, nothing
+    answered) once held a submit for minutes; the client gave up, and when the
+    emulator woke the submit was written and ran: a retry without an
+    Idempotency-Key made it twice. Now each call gives up within seconds, the
+    API answers 503, and the rollback wins over the requests that land late."""
+    from fastapi.testclient import TestClient
+
+    from sluice.adapters.api_keys import ApiKeys
+    from sluice.adapters.task_store import TaskStore
+    from sluice.api.app import create_app
+    from sluice.api.service import idempotent_task_id
+    from tests.reliability.harness import TcpProxy
+
+    key = ApiKeys(settings).create("tenant-a")[0]
+    proxy = TcpProxy(int(moto_endpoint.rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as api:
+            headers = {"x-api-key": key, "Idempotency-Key": "while-hung"}
+            assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200  # the key is cached
+            proxy.stall()
+            started = time.monotonic()
+            reply = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]}, headers=headers)
+            took = time.monotonic() - started
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["code"] == "dependency_unavailable" and reply.headers["retry-after"]
+            print(f"hung dependency: 503 after {took:.1f}s")
+            assert took < HUNG_REPLY_BOUND_S, took
+            proxy.resume()  # what was held lands now: the submit's write among it
+
+            store = TaskStore(settings)
+            task_id = idempotent_task_id("tenant-a", "while-hung")
+            # The rollback runs in the background until the table answers; a
+            # record that outlives it is a half-written task.
+            wait_until(lambda: store.get(task_id) is None, 30, "the refused submit's record to be rolled back",
+                       state=lambda: store.get(task_id))
+    finally:
+        proxy.close()
