@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Annotated
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -39,6 +40,8 @@ from sluice.contract import (
     WaitSeconds,
 )
 from sluice.settings import Settings
+
+READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeout
 
 log = logging.getLogger("sluice.api")
 
@@ -157,6 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     service = TaskService(settings)
     waiter = CompletionWaiter(service.store)
+    ready_probes = ThreadPoolExecutor(max_workers=3, thread_name_prefix="sluice-ready")
     keys = ApiKeys(settings) if settings.auth_mode == "table" else None
     limiter = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst) if settings.rate_limit_per_s > 0 else None
 
@@ -239,19 +243,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/ready", tags=["ops"], response_model=Readiness,
              responses={503: {"model": Readiness, "description": "A dependency does not answer."}})
     def ready() -> JSONResponse:
-        """Readiness: the table, the queues and the bucket answer."""
-        checks = {}
-        for name, probe in (
-            ("tasks_table", lambda: client("dynamodb", settings).describe_table(TableName=settings.tasks_table)),
+        """Readiness: the table, the queues and the bucket answer, within READY_BUDGET_S."""
+        probes = {
+            "tasks_table": lambda: client("dynamodb", settings).describe_table(TableName=settings.tasks_table),
             # A call to each queue: its URL is cached after the first lookup.
-            ("queues", lambda: [service.queues.depth(p) for p in Priority]),
-            ("bucket", lambda: client("s3", settings).head_bucket(Bucket=settings.bucket)),
-        ):
-            try:
-                probe()
-                checks[name] = "ok"
-            except Exception as exc:
-                checks[name] = type(exc).__name__
+            "queues": lambda: [service.queues.depth(p) for p in Priority],
+            "bucket": lambda: client("s3", settings).head_bucket(Bucket=settings.bucket),
+        }
+        running = {name: ready_probes.submit(probe) for name, probe in probes.items()}
+        # A hung dependency answers nothing until the SDK gives up (about 15 s);
+        # a probe that has not answered by then is not ready, and is left to end
+        # on its own in the small pool (so repeated probes cannot pile up threads).
+        wait(running.values(), timeout=READY_BUDGET_S)
+        checks = {}
+        for name, future in running.items():
+            if not future.done():
+                checks[name] = "no_answer"
+            else:
+                error = future.exception()
+                checks[name] = "ok" if error is None else type(error).__name__
         ok = all(v == "ok" for v in checks.values())
         readiness = Readiness(status="ready" if ok else "not_ready", checks=checks)
         return JSONResponse(readiness.model_dump(mode="json"), status_code=200 if ok else 503)

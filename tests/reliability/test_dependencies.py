@@ -144,6 +144,11 @@ def test_a_hung_dependency_gets_a_503_in_bounded_time_and_nothing_lands_after_it
             assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200  # the key is cached
             proxy.stall()
             started = time.monotonic()
+            ready = api.get("/ready")
+            assert ready.status_code == 503 and ready.json()["checks"]["tasks_table"] == "no_answer", ready.text
+            assert time.monotonic() - started < 10  # its budget is 3 s
+
+            started = time.monotonic()
             reply = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]}, headers=headers)
             took = time.monotonic() - started
             assert reply.status_code == 503, reply.text
