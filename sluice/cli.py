@@ -138,8 +138,14 @@ def cmd_keys_create(args) -> int:
 def cmd_keys_revoke(args) -> int:
     from sluice.adapters.api_keys import ApiKeys
 
-    ApiKeys(_settings()).revoke(args.key)
-    print("revoked")
+    settings = _settings()
+    try:
+        record = ApiKeys(settings).revoke(args.key)
+    except LookupError as exc:
+        print(f"sluice keys revoke: {exc}", file=sys.stderr)
+        return 1
+    print(f"revoked key {record.key_id} of tenant {record.tenant_id}; running APIs refuse it within "
+          f"{settings.key_cache_s:g} s (their key cache, SLUICE_KEY_CACHE_S)")
     return 0
 
 
@@ -204,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p = keys.add_parser("create", help="create a key; prints it as the last word")
     p.add_argument("--tenant", required=True)
     p.set_defaults(func=cmd_keys_create)
-    p = keys.add_parser("revoke")
-    p.add_argument("key")
+    p = keys.add_parser("revoke", help="revoke a key, given itself or its id (as `keys create` printed it)")
+    p.add_argument("key", help="the key (sk_…) or its id")
     p.set_defaults(func=cmd_keys_revoke)
 
     p = sub.add_parser("bootstrap", help="create queues, tables and bucket if missing")

@@ -65,16 +65,42 @@ class ApiKeys:
             return key, existing
         return key, record
 
-    def revoke(self, key: str) -> None:
-        self.ddb.update_item(
-            TableName=self.table,
-            Key={"key_hash": {"S": hash_key(key)}},
-            UpdateExpression="SET revoked = :t",
-            ConditionExpression="attribute_exists(key_hash)",
-            ExpressionAttributeValues={":t": {"BOOL": True}},
-        )
+    def revoke(self, key_or_id: str) -> ApiKeyRecord:
+        """Revoke a key given itself or its id (what `create` prints; an
+        operator seldom holds the secret). Raises LookupError if there is none."""
+        if key_or_id.startswith(KEY_PREFIX):
+            digest, named = hash_key(key_or_id), "no such API key"
+        else:
+            digest, named = self._hash_of_id(key_or_id), f"no API key with id {key_or_id}"
+        if digest is None:
+            raise LookupError(named)
+        try:
+            item = self.ddb.update_item(
+                TableName=self.table,
+                Key={"key_hash": {"S": digest}},
+                UpdateExpression="SET revoked = :t",
+                ConditionExpression="attribute_exists(key_hash)",
+                ExpressionAttributeValues={":t": {"BOOL": True}},
+                ReturnValues="ALL_NEW",
+            )["Attributes"]
+        except ClientError as err:
+            if err.response["Error"]["Code"] == "ConditionalCheckFailedException":
+                raise LookupError(named) from None
+            raise
         with self._lock:
-            self._cache.pop(hash_key(key), None)
+            self._cache.pop(digest, None)
+        return _record(item)
+
+    def _hash_of_id(self, key_id: str) -> str | None:
+        # Keys are stored by hash alone: an id is found by a scan, fine for an
+        # operator's command on a table of one item per key.
+        for page in self.ddb.get_paginator("scan").paginate(
+            TableName=self.table, FilterExpression="key_id = :id",
+            ExpressionAttributeValues={":id": {"S": key_id}}, ProjectionExpression="key_hash",
+        ):
+            for item in page.get("Items", []):
+                return item["key_hash"]["S"]
+        return None
 
     def authenticate(self, key: str) -> ApiKeyRecord | None:
         """The key's record if it is known and not revoked; else None."""
@@ -106,12 +132,14 @@ class ApiKeys:
 
     def _load(self, digest: str) -> ApiKeyRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key={"key_hash": {"S": digest}}, ConsistentRead=True).get("Item")
-        if not item:
-            return None
-        return ApiKeyRecord(
-            key_hash=item["key_hash"]["S"],
-            tenant_id=item["tenant_id"]["S"],
-            key_id=item["key_id"]["S"],
-            created_at=int(item["created_at"]["N"]),
-            revoked=item.get("revoked", {}).get("BOOL", False),
-        )
+        return _record(item) if item else None
+
+
+def _record(item: dict) -> ApiKeyRecord:
+    return ApiKeyRecord(
+        key_hash=item["key_hash"]["S"],
+        tenant_id=item["tenant_id"]["S"],
+        key_id=item["key_id"]["S"],
+        created_at=int(item["created_at"]["N"]),
+        revoked=item.get("revoked", {}).get("BOOL", False),
+    )

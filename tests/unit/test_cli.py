@@ -148,3 +148,29 @@ def test_an_aws_error_is_one_line_naming_what_was_used(settings, monkeypatch, ca
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"sluice {command[0]} {command[1]}: ") and named in err and "region us-east-1" in err, err
+
+
+def test_a_key_is_revoked_by_the_id_create_printed_or_by_itself(settings, monkeypatch, capsys):
+    # An operator seldom holds a tenant's secret: `keys create` prints the id too.
+    from sluice.adapters.api_keys import ApiKeys
+
+    monkeypatch.setenv("SLUICE_KEYS_TABLE", settings.keys_table)
+    assert cli.main(["keys", "create", "--tenant", "team-c"]) == 0
+    created = capsys.readouterr().out.split()
+    key_id, key = created[2], created[-1]
+    keys = ApiKeys(settings)
+    assert keys.authenticate(key).tenant_id == "team-c"
+    assert cli.main(["keys", "revoke", key_id]) == 0
+    out = capsys.readouterr().out
+    assert f"revoked key {key_id} of tenant team-c" in out and "within 10 s" in out
+    assert keys.authenticate(key) is None
+    other, _ = keys.create("team-d")
+    assert cli.main(["keys", "revoke", other]) == 0 and keys.authenticate(other) is None
+
+
+@pytest.mark.parametrize("unknown", ["0123456789abcdef", "sk_not-a-key"])
+def test_revoking_an_unknown_key_is_one_line_and_exit_1(settings, monkeypatch, capsys, unknown):
+    monkeypatch.setenv("SLUICE_KEYS_TABLE", settings.keys_table)
+    assert cli.main(["keys", "revoke", unknown]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sluice keys revoke: no ") and len(err.strip().splitlines()) == 1, err
