@@ -140,8 +140,11 @@ class TaskAccepted(BaseModel):
     task_id: str
     status: TaskStatus
     priority: Priority
-    queue_position: int = Field(description="Approximate number of tasks ahead in this priority.")
-    estimated_wait_s: float
+    queue_position: int = Field(description="Approximate number of tasks ahead of this one: those queued at "
+                                            "its priority and at the higher ones.")
+    estimated_wait_s: float | None = Field(description="The queue position over the rate at which workers "
+                                                       "have lately been taking tasks off the queues; null while "
+                                                       "no such rate is measured (no worker has taken any yet).")
 
 
 class BatchAccepted(BaseModel):

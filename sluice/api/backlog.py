@@ -6,7 +6,12 @@ latency (its p99 at one client). So a queue's depth is the one last read plus
 what this process sent since, and a reading older than `max_age_s` is renewed
 in the background while the older figure answers. Near the cap the depth is
 read inline instead, so that the cap is overshot by the submits in flight at
-once, not by a second's worth.
+once, not by a second's worth. A reading older than `stale_s` (the API sat
+idle) is read inline too: it would give a queue position from long ago.
+
+Successive readings also measure how fast the workers take tasks off each
+queue (the depth then, plus what was sent since, less the depth now), which
+turns a queue position into an estimated wait.
 """
 
 from __future__ import annotations
@@ -24,14 +29,21 @@ from sluice.contract import Priority
 log = logging.getLogger("sluice.api")
 
 
+# Readings closer together than this measure the drain rate too noisily.
+_RATE_WINDOW_S = 0.5
+
+
 class QueueBacklog:
     def __init__(self, read: Callable[[Priority], int], cap: int, max_age_s: float = 1.0,
-                 recheck_fraction: float = 0.9):
+                 recheck_fraction: float = 0.9, stale_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         """`read` counts a queue's visible messages (one GetQueueAttributes)."""
         self._read = read
-        self.cap, self.max_age_s = cap, max_age_s
+        self.cap, self.max_age_s, self.stale_s = cap, max_age_s, stale_s
+        self._clock = clock
         self._recheck_at = cap * recheck_fraction
         self._seen: dict[Priority, tuple[float, int, int]] = {}  # read at, depth then, sent since
+        self._rate: dict[Priority, float] = {}  # tasks/s taken off the queue, smoothed
         self._renewing: set[Priority] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-backlog")
@@ -44,14 +56,23 @@ class QueueBacklog:
         return self._read_now(priority)
 
     def estimate(self, priority: Priority) -> int:
-        """The depth for a queue-position estimate; 0 when the queue cannot be read."""
+        """The depth for a queue-position estimate; when the queue cannot be
+        read, the last figure (0 if there is none)."""
         estimate = self._estimate(priority)
         if estimate is not None:
             return estimate
         try:
             return self._read_now(priority)
         except (BotoCoreError, ClientError):
-            return 0
+            with self._lock:
+                seen = self._seen.get(priority)
+            return seen[1] + seen[2] if seen else 0
+
+    def drain_rate(self) -> float | None:
+        """Tasks a second the workers took off all the queues, as last measured;
+        None before two readings of a queue measured it."""
+        with self._lock:
+            return sum(self._rate.values()) if self._rate else None
 
     def sent(self, priority: Priority, n: int) -> None:
         with self._lock:
@@ -65,7 +86,10 @@ class QueueBacklog:
             if seen is None:
                 return None
             read_at, depth, sent = seen
-            renew = time.monotonic() - read_at >= self.max_age_s and priority not in self._renewing
+            age = self._clock() - read_at
+            if age >= self.stale_s:
+                return None
+            renew = age >= self.max_age_s and priority not in self._renewing
             if renew:
                 self._renewing.add(priority)
         if renew:
@@ -83,8 +107,14 @@ class QueueBacklog:
                 self._renewing.discard(priority)
 
     def _read_now(self, priority: Priority) -> int:
-        read_at = time.monotonic()
+        read_at = self._clock()
         depth = self._read(priority)
         with self._lock:
+            before = self._seen.get(priority)
             self._seen[priority] = (read_at, depth, 0)
+            if before and read_at - before[0] >= _RATE_WINDOW_S:
+                then, depth_then, sent = before
+                taken = max(0, depth_then + sent - depth) / (read_at - then)
+                old = self._rate.get(priority)
+                self._rate[priority] = taken if old is None else (old + taken) / 2
         return depth

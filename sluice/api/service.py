@@ -52,8 +52,6 @@ from sluice.settings import Settings
 log = logging.getLogger("sluice.api")
 
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d7c2e-5b0a-4d8e-9a51-3c2f7e9b1d40")
-# Until workers report real throughput, queue estimates assume this rate.
-_ASSUMED_TASKS_PER_S = 100.0
 
 
 def idempotent_task_id(tenant_id: str, key: str) -> str:
@@ -358,17 +356,24 @@ class TaskService:
         return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r, _ in built])
 
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
-        ahead = depth
-        if record.priority != Priority.high:
-            ahead += self.backlog.estimate(Priority.high)
-        if record.priority == Priority.low:
-            ahead += self.backlog.estimate(Priority.normal)
+        ahead = 0
+        if record.status == TaskStatus.queued:  # an idempotent retry may find it finished
+            ahead = depth
+            if record.priority != Priority.high:
+                ahead += self.backlog.estimate(Priority.high)
+            if record.priority == Priority.low:
+                ahead += self.backlog.estimate(Priority.normal)
+        rate = self.backlog.drain_rate()
+        if ahead == 0:
+            wait: float | None = 0.0
+        else:
+            wait = round(ahead / rate, 1) if rate else None  # no drain measured yet, or none now
         return TaskAccepted(
             task_id=record.task_id,
             status=record.status,
             priority=record.priority,
             queue_position=ahead,
-            estimated_wait_s=round(ahead / _ASSUMED_TASKS_PER_S, 2),
+            estimated_wait_s=wait,
         )
 
     # ---------------------------------------------------------- get/cancel

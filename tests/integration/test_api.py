@@ -66,9 +66,26 @@ def test_submit_returns_202_with_position_and_records_one_task(api, settings):
     assert response.status_code == 202
     body = response.json()
     assert body["status"] == "queued" and body["priority"] == "high"
-    assert body["queue_position"] >= 0 and body["estimated_wait_s"] >= 0
+    # Fresh queues: nothing ahead, nothing to wait for.
+    assert body["queue_position"] == 0 and body["estimated_wait_s"] == 0
+    low = submit(api, api.key_a, {"model": "synthetic", "inputs": ["c"], "priority": "low"}).json()
+    # Behind the high task; no worker has taken a task yet, so no wait can be estimated.
+    assert low["queue_position"] == 1 and low["estimated_wait_s"] is None
     view = api.get(f"/v1/tasks/{body['task_id']}", headers={"x-api-key": api.key_a}).json()
     assert view["status"] == "queued" and view["model"] == "synthetic" and view["model_version"] == "1"
+
+
+def test_an_idempotent_retry_of_a_finished_task_has_nothing_ahead(api, runner, settings):
+    first = submit(api, api.key_a, {"model": "synthetic", "inputs": ["x"], "priority": "low"},
+                   **{"Idempotency-Key": "done-1"}).json()
+    submit(api, api.key_a, {"model": "synthetic", "inputs": ["y"], "priority": "high"})  # one ahead of it
+    batch = [m for p in Priority for m in PriorityQueues(settings).receive(p, 10, 1, 30)]
+    prepared = runner.prepare(batch)
+    runner.finish(prepared, runner.infer(prepared.jobs))
+    again = submit(api, api.key_a, {"model": "synthetic", "inputs": ["x"], "priority": "low"},
+                   **{"Idempotency-Key": "done-1"}).json()
+    assert again["task_id"] == first["task_id"] and again["status"] == "succeeded"
+    assert again["queue_position"] == 0 and again["estimated_wait_s"] == 0
 
 
 def test_another_tenants_task_is_not_found(api):

@@ -102,3 +102,40 @@ def test_sends_before_the_first_reading_leave_it_to_that_reading():
     backlog.sent(Priority.normal, 5)
     assert backlog.depth(Priority.normal) == 12  # read, not 5 guessed from nothing
     assert read.calls == 1
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_successive_readings_measure_how_fast_workers_take_tasks():
+    read, clock = Counter(100), Clock()
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, clock=clock)
+    assert backlog.depth(Priority.normal) == 100 and backlog.drain_rate() is None
+    backlog.sent(Priority.normal, 20)
+    clock.now += 2
+    read.depth, read.answered = 60, threading.Event()
+    backlog.depth(Priority.normal)  # stale: renewed in the background
+    assert read.answered.wait(WAIT_S)
+    renewed(backlog)
+    assert backlog.drain_rate() == 30.0  # (100 + 20 sent - 60) tasks in 2 s
+    clock.now += 2
+    read.depth, read.answered = 60, threading.Event()
+    backlog.depth(Priority.normal)
+    assert read.answered.wait(WAIT_S)
+    renewed(backlog)
+    assert backlog.drain_rate() == 15.0  # nothing taken in the next 2 s: the rate halves
+
+
+def test_a_reading_from_before_an_idle_spell_is_read_again_before_answering():
+    read, clock = Counter(5), Clock()
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, stale_s=10, clock=clock)
+    assert backlog.estimate(Priority.high) == 5
+    clock.now += 60
+    read.depth = 0
+    assert backlog.estimate(Priority.high) == 0  # not 5 from a minute ago
+    assert read.calls == 2
