@@ -30,6 +30,12 @@ GPU_PASS_TOKENS = (16384, GPU_MAX_BATCH_SIZE * 128)
 
 
 def pick_device(preference: str = "auto") -> torch.device:
+    """`auto` takes a GPU when torch sees one; `cuda` insists on one (a worker
+    meant for a GPU must not quietly serve from the CPU); `cpu` never uses one."""
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"SLUICE_DEVICE={preference!r}: use auto, cpu or cuda")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"SLUICE_DEVICE=cuda, but torch {torch.__version__} sees no CUDA GPU")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
@@ -45,11 +51,13 @@ class MiniLMEmbed:
 
     def __init__(self, device: str | None = None, dtype: str | None = None):
         self.device = pick_device(device or os.environ.get("SLUICE_DEVICE", "auto"))
-        # bf16 measured ~1.7x faster than fp32 on CPU here with cosine >= 0.9999
-        # (bench/model_precision.py); fp32 stays available for comparison.
-        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-            dtype or os.environ.get("SLUICE_MINILM_DTYPE", "bf16")
-        ]
+        # bf16 by default, the GPU's choice; on CPUs it ranged from 1.7x faster
+        # than fp32 to 1.6x slower (docs/benchmarks.md), with cosine >= 0.9999.
+        name = dtype or os.environ.get("SLUICE_MINILM_DTYPE", "bf16")
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        if name not in dtypes:
+            raise ValueError(f"SLUICE_MINILM_DTYPE={name!r}: use bf16 or fp32")
+        self.dtype = dtypes[name]
         self.weights: dict[str, torch.Tensor] = {}
         self.pass_tokens = CPU_PASS_TOKENS
         if self.device.type == "cuda":

@@ -59,7 +59,8 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(default=60, ge=1, le=12 * 3600)  # SQS's limits
     max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
     receive_wait_s: int = Field(default=1, ge=0, le=20)  # SQS's long-poll limits
-    device: str = Field(default="auto", description="auto | cpu | cuda")
+    # A typo ("gpu") must stop a worker, not run it on the CPU unnoticed.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(default=0, ge=0)
 
     def queue_url_override(self, priority: Priority) -> str | None:

@@ -45,3 +45,17 @@ def test_each_input_gets_its_own_embedding_in_order(model, monkeypatch):
 def test_text_past_the_window_is_ignored(model):
     a, b = model.embed([LONG + " tail one", LONG + " something else entirely"])
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device, error", [("gpu", ValueError), ("cuda:1", ValueError),
+                                           ("cuda", None if torch.cuda.is_available() else RuntimeError)])
+def test_a_device_it_cannot_honour_stops_the_model_rather_than_falling_back_to_the_cpu(device, error):
+    if error is None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(error, match="SLUICE_DEVICE"):
+        MiniLMEmbed(device=device)
+
+
+def test_an_unknown_dtype_is_named():
+    with pytest.raises(ValueError, match="SLUICE_MINILM_DTYPE='fp16'"):
+        MiniLMEmbed(device="cpu", dtype="fp16")

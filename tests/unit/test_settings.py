@@ -63,3 +63,9 @@ def test_without_any_region_it_is_us_east_1(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     assert client_config(Settings()).region_name == "us-east-1"
+
+
+def test_an_unknown_device_is_refused_at_start_up(monkeypatch):
+    monkeypatch.setenv("SLUICE_DEVICE", "gpu")
+    with pytest.raises(ValidationError, match="device"):
+        Settings()
