@@ -45,10 +45,15 @@ READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeou
 
 log = logging.getLogger("sluice.api")
 
-_ERRORS = {
-    s: {"model": ErrorResponse}
-    for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
-}
+def _errors(*statuses: int) -> dict:
+    """The error answers a route can give, each an ErrorResponse: what the
+    OpenAPI document lists per route (the contract test holds the app to it)."""
+    return {s: {"model": ErrorResponse} for s in statuses}
+
+
+# Every route behind the key check: no key, a bad key, the rate limit, a table that does not answer.
+_AUTHED = (401, 403, 429, 503)
+_SUBMIT_ERRORS = _errors(400, *_AUTHED, 409, 413, 415, 422)
 _HTTP_CODES = {400: "malformed_body", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 # The parameters' rules are the contract's types; only where each is read is said here.
 TaskIdParam = Annotated[TaskId, Path()]
@@ -136,6 +141,11 @@ class BodyLimit:
         await response({"type": "http"}, None, send)
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     details = []
     malformed = False
@@ -168,7 +178,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="Sluice",
         version=__version__,
         description="Asynchronous inference for PyTorch models. Authenticate with the `x-api-key` header.",
-        responses=_ERRORS,
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
@@ -188,7 +197,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
+        # FastAPI reads a body as JSON only when it says it is; any other body
+        # fails the schema, which would blame the fields for a missing header
+        # (curl -d sends application/x-www-form-urlencoded).
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and content_type and not _is_json(content_type):
+            err = ApiError(415, "unsupported_media_type", "send the body as JSON: Content-Type: application/json",
+                           [ErrorDetail(field="content-type", rule=f"must be application/json, not {content_type}")])
+            return JSONResponse(err.body(), status_code=415)
         return _validation_error(exc)
 
     @app.exception_handler(BotoCoreError)
@@ -269,21 +286,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The routes are `async` and hand only the blocking AWS calls to a thread:
     # for a plain `def` route FastAPI also validates the response in a thread,
     # a second hop per request.
-    @app.get("/v1/models", response_model=ModelList, tags=["models"])
+    @app.get("/v1/models", response_model=ModelList, tags=["models"], responses=_errors(*_AUTHED))
     async def list_models(_: Tenant) -> ModelList:
         return ModelList(models=service.list_models())
 
-    @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"])
+    @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"], responses=_SUBMIT_ERRORS)
     async def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None) -> TaskAccepted:
         return await run_in_threadpool(service.submit, tenant_id, body, idempotency_key)
 
-    @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"])
+    @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"],
+              responses=_SUBMIT_ERRORS)
     async def submit_batch(
         body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None
     ) -> BatchAccepted:
         return await run_in_threadpool(service.submit_batch, tenant_id, body, idempotency_key)
 
-    @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
+    @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"], responses=_errors(*_AUTHED, 404, 422))
     async def get_task(task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:
         if wait_s:
             # The first look joins the waiter's shared read round instead of a GetItem of its own.
@@ -300,7 +318,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     await run_in_threadpool(service.get, tenant_id, task_id, record)  # overdue: expires it
         return view
 
-    @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"])
+    @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"],
+                responses=_errors(*_AUTHED, 404, 409, 422))
     async def cancel_task(task_id: TaskIdParam, tenant_id: Tenant) -> TaskView:
         return await run_in_threadpool(service.cancel, tenant_id, task_id)
 

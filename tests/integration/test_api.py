@@ -255,3 +255,30 @@ def test_a_number_too_long_to_parse_is_400_naming_the_body(api, settings):
     details = response.json()["error"]["details"]
     assert [d["field"] for d in details] == ["body"] and all(d["rule"] for d in details), details
     assert nothing_recorded(settings)
+
+
+def test_a_body_not_sent_as_json_is_415_naming_the_header(api):
+    # curl -d without -H 'Content-Type: application/json' sends a form type.
+    body = '{"model": "synthetic", "inputs": ["a"]}'
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        response = api.post("/v1/tasks", content=body, headers={"x-api-key": api.key_a, "content-type": content_type})
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type"
+        assert error["details"] == [{"field": "content-type", "rule": f"must be application/json, not {content_type}"}]
+    sent = api.post("/v1/tasks", content=body,
+                    headers={"x-api-key": api.key_a, "content-type": "application/json; charset=utf-8"})
+    assert sent.status_code == 202
+
+
+def test_the_openapi_document_lists_each_routes_own_errors(api):
+    paths = api.get("/openapi.json").json()["paths"]
+
+    def errors(path, method):
+        return {int(s) for s in paths[path][method]["responses"] if int(s) >= 400}
+
+    assert errors("/health", "get") == set()
+    assert errors("/v1/models", "get") == {401, 403, 429, 503}
+    assert errors("/v1/tasks", "post") == {400, 401, 403, 409, 413, 415, 422, 429, 503}
+    assert errors("/v1/tasks/{task_id}", "get") == {401, 403, 404, 422, 429, 503}
+    assert errors("/v1/tasks/{task_id}", "delete") == {401, 403, 404, 409, 422, 429, 503}
