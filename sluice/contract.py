@@ -153,10 +153,13 @@ class BatchAccepted(BaseModel):
 
 class TaskTimings(BaseModel):
     created_at: int = Field(description="Unix epoch milliseconds.")
-    started_at: int | None = None
-    finished_at: int | None = None
-    queue_ms: int | None = None
-    inference_ms: int | None = None
+    started_at: int | None = Field(default=None, description="When its batch began inference (on SageMaker: when "
+                                                             "its endpoint call was made).")
+    finished_at: int | None = Field(default=None, description="When its outcome was recorded.")
+    queue_ms: int | None = Field(default=None, description="started_at - created_at: waiting in its queue and "
+                                                           "behind the batch ahead of it on the model.")
+    inference_ms: int | None = Field(default=None, description="The model's time for the batch it ran in; the rest "
+                                                               "of finished_at - started_at is recording outcomes.")
 
 
 class TaskError(BaseModel):

@@ -75,6 +75,12 @@ class BatchRunner:
 
     # --------------------------------------------------------------- infer
     def infer(self, jobs: list[Job]) -> list[Outcome]:
+        # A prepared batch may wait behind the one in inference: the task starts
+        # now, so that its queue time counts that wait and start to finish is
+        # its inference and its outcome's write.
+        started = now_ms()
+        for job in jobs:
+            job.started_at = started
         outcomes: list[Outcome] = []
         by_model: dict[str, list[Job]] = {}
         for job in jobs:
