@@ -91,8 +91,21 @@ def _json(raw: bytes) -> dict:
 
 
 def _print(status: int, payload: dict) -> int:
-    print(json.dumps(payload, indent=2))
+    print(_shown(payload))
     return 0 if status < 400 else 1
+
+
+def _shown(payload) -> str:
+    """Indented JSON, with each list of numbers (an embedding: 384 of them) on one line."""
+    if isinstance(payload, list) and payload and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     for x in payload):
+        return json.dumps(payload)
+    if isinstance(payload, dict) and payload:
+        items = [f"  {json.dumps(k)}: {_shown(v).replace(chr(10), chr(10) + '  ')}" for k, v in payload.items()]
+        return "{\n" + ",\n".join(items) + "\n}"
+    if isinstance(payload, list) and payload:
+        return "[\n" + ",\n".join("  " + _shown(v).replace("\n", "\n  ") for v in payload) + "\n]"
+    return json.dumps(payload)
 
 
 def cmd_submit(args) -> int:
@@ -166,8 +179,12 @@ def cmd_dlq(args) -> int:
     queues = PriorityQueues(settings)
     priorities = [Priority(args.priority)] if args.priority else list(Priority)
     if args.action == "list":
-        for item in list_dead(queues, priorities, limit=args.limit, store=TaskStore(settings)):
+        found = list_dead(queues, priorities, limit=args.limit, store=TaskStore(settings))
+        for item in found:
             print(json.dumps(item))
+        if not found:
+            print("the dead-letter queues are empty" if not args.priority
+                  else f"the {args.priority} dead-letter queue is empty", file=sys.stderr)
         return 0
     if args.action == "settle":
         counts = settle_dead(queues, TaskStore(settings), priorities, settings.max_attempts, limit=args.limit)
@@ -226,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `sluice get … | head`: the reader left, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (BotoCoreError, ClientError) as exc:
         # A wrong prefix, table, region or credentials: one line with what was used, not a traceback.
         command = " ".join(filter(None, (args.command, getattr(args, "keys_command", None), getattr(args, "action", None))))

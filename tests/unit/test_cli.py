@@ -174,3 +174,29 @@ def test_revoking_an_unknown_key_is_one_line_and_exit_1(settings, monkeypatch, c
     assert cli.main(["keys", "revoke", unknown]) == 1
     err = capsys.readouterr().err
     assert err.startswith("sluice keys revoke: no ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_result_prints_each_embedding_on_one_line():
+    payload = {"status": "succeeded", "result": {"embeddings": [[0.1, -0.2, 3], [0.5]], "dim": 384},
+               "error": None, "metadata": {}, "flags": [True, False]}
+    text = cli._shown(payload)
+    assert json.loads(text) == payload
+    assert "      [0.1, -0.2, 3]," in text.splitlines()
+
+
+def test_listing_empty_dead_letter_queues_says_so(settings, monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_QUEUE_PREFIX", settings.queue_prefix)
+    monkeypatch.setenv("SLUICE_TASKS_TABLE", settings.tasks_table)
+    assert cli.main(["dlq", "list"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "the dead-letter queues are empty" in captured.err
+
+
+def test_a_reader_that_leaves_early_is_no_error(monkeypatch):
+    # `sluice get … | head`: the pipe closes under the print.
+    def closed_pipe(_args):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "cmd_get", closed_pipe)
+    monkeypatch.setattr(os, "dup2", lambda *_: None)  # leave pytest's stdout alone
+    assert cli.main(["get", "t"]) == 0
