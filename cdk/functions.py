@@ -10,6 +10,8 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
+from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
+
 RUNTIME = lambda_.Runtime.PYTHON_3_14  # must match cdk.bundling.LAMBDA_PYTHON
 
 
@@ -69,7 +71,7 @@ class PythonFunction(Construct):
             layers=[code.layer],
             role=self.role,
             environment={
-                "POWERTOOLS_METRICS_NAMESPACE": "Sluice",
+                "POWERTOOLS_METRICS_NAMESPACE": METRICS_NAMESPACE,
                 "SLUICE_REGION": Stack.of(self).region,
                 **environment,
             },

@@ -16,18 +16,21 @@ from constructs import Construct
 from cdk.api_construct import Api
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.queues_construct import Queues
+from sluice.worker.metrics import DIMENSIONS as WORKER_DIMENSIONS
+from sluice.worker.metrics import METRICS as WORKER_METRICS
+from sluice.worker.metrics import NAMESPACE as WORKER_NAMESPACE
 
 MINUTE = Duration.minutes(1)
-# The worker's EMF metrics (sluice.worker.metrics): namespace and dimension.
-WORKER_NAMESPACE = "Sluice"
-WORKER_DIMENSIONS = {"service": "worker"}
 
 
 def worker_metric(name: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
+    """A metric the workers emit (sluice.worker.metrics): the same namespace and dimension."""
+    if name not in WORKER_METRICS:
+        raise ValueError(f"workers emit no metric {name!r}; they emit {', '.join(WORKER_METRICS)}")
     return cw.Metric(
         namespace=WORKER_NAMESPACE,
         metric_name=name,
-        dimensions_map=WORKER_DIMENSIONS,
+        dimensions_map=dict(WORKER_DIMENSIONS),
         statistic=statistic,
         period=MINUTE,
         label=label or name,

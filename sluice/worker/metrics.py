@@ -15,10 +15,27 @@ from aws_lambda_powertools.metrics import MetricUnit
 
 FLUSH_EVERY_S = 10.0
 
+# Where the metrics land, stated once: the CDK dashboard and alarms
+# (cdk/observability_construct.py) and the Lambdas' Powertools namespace
+# (cdk/functions.py) import these, so this module imports only Powertools and
+# the standard library (never torch: it reads torch only if a worker loaded it).
+NAMESPACE = "Sluice"
+SERVICE = "worker"  # Powertools makes it the `service` dimension of every metric
+DIMENSIONS = {"service": SERVICE}
+METRICS = (
+    "BatchSize",
+    "InferenceLatency",
+    "Throughput",
+    "TasksSucceeded",
+    "TaskAttemptsFailed",
+    "GpuUtilization",  # these two on a GPU only
+    "GpuMemoryUsed",
+)
+
 
 class WorkerMetrics:
-    def __init__(self, namespace: str = "Sluice"):
-        self._metrics = Metrics(namespace=namespace, service="worker")
+    def __init__(self, namespace: str = NAMESPACE):
+        self._metrics = Metrics(namespace=namespace, service=SERVICE)
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._inputs_since_flush = 0

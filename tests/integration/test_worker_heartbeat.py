@@ -10,6 +10,7 @@ from models.synthetic import SyntheticModel
 from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest
 from sluice.worker.main import Worker
+from tests.reliability.harness import wait_until
 
 
 def test_a_hand_back_during_an_extension_lands_after_it(settings, monkeypatch):
@@ -20,27 +21,49 @@ def test_a_hand_back_during_an_extension_lands_after_it(settings, monkeypatch):
     message.received_at -= 60  # due for an extension
     worker._held[message.receipt_handle] = message
 
-    extending, let_go = threading.Event(), threading.Event()
+    extending, let_go, waiting_for_lock = threading.Event(), threading.Event(), threading.Event()
     change_visibility = worker.queues.change_visibility_many
+    landed = []  # (thread, visibility) in the order the changes landed
 
     def slow_extension(messages, timeout_s):
         if threading.current_thread().name == "extension":
             extending.set()
             assert let_go.wait(10), "the test never let the extension go"
         change_visibility(messages, timeout_s)
+        landed.append((threading.current_thread().name, timeout_s))
+
+    class ObservedLock:
+        """The worker's extension lock, telling the test when the hand-back asks for it."""
+
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread().name == "hand-back":
+                waiting_for_lock.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
 
     monkeypatch.setattr(worker.queues, "change_visibility_many", slow_extension)
-    extension = threading.Thread(target=worker._extend_held, args=(1.0,), name="extension")
+    monkeypatch.setattr(worker, "_extending", ObservedLock(worker._extending))
+    extension = threading.Thread(target=worker._extend_held, args=(1.0,), name="extension", daemon=True)
     extension.start()
     assert extending.wait(10), "the extension never started"
     # Handing the message back (visibility 0) while the extension (30 s) is in flight.
-    hand_back = threading.Thread(target=worker._give_back, args=([message],))
+    hand_back = threading.Thread(target=worker._give_back, args=([message],), name="hand-back", daemon=True)
     hand_back.start()
-    hand_back.join(1)  # it cannot finish before the extension does; without the lock it would by now
+    # Either it queues behind the extension, or (without the lock) it changes
+    # the visibility at once: wait for whichever happens, not for a while.
+    wait_until(lambda: waiting_for_lock.is_set() or landed or not hand_back.is_alive(), 10,
+               "the hand-back to wait for the extension's lock or to change the visibility", state=lambda: landed)
+    assert landed == [] and hand_back.is_alive(), "the hand-back did not wait for the extension in flight"
     let_go.set()
     extension.join(10)
     hand_back.join(10)
     assert not extension.is_alive() and not hand_back.is_alive()
+    assert landed == [("extension", settings.visibility_timeout_s), ("hand-back", 0)]
 
     again = worker.queues.receive(Priority.normal, 1, 2, 30)
     assert [m.task().task_id for m in again] == [task_id], "the hand-back was overridden by the extension"

@@ -1,12 +1,14 @@
 """The batch runner on the emulator: claims, outcomes, isolation, duplicates."""
 
 import json
+import time
 import urllib.request
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority
+from tests.reliability.harness import wait_until
 
 
 def receive_all(settings, want):
@@ -217,17 +219,31 @@ def test_an_inputs_object_that_cannot_be_read_now_is_retried_alone(api, settings
         return None
 
     runner.payloads.s3.meta.events.register_first("before-send.s3.GetObject", slow_down)
+    # When the runner hides a message for its backoff: until then it cannot be received.
+    hidden = []
+    change_visibility = runner.queues.change_visibility_many
+
+    def timed_change(messages, timeout_s):
+        hidden.append(([json.loads(m.body)["task_id"] for m in messages], timeout_s, time.monotonic()))
+        change_visibility(messages, timeout_s)
+
+    runner.queues.change_visibility_many = timed_change
     run_once(runner, batch)
+    assert [(ids, timeout_s) for ids, timeout_s, _ in hidden] == [([flaky], 2)]  # the first retry's backoff
     queues = PriorityQueues(settings)
-    # Neither deleted nor visible at once: it is held for its retry backoff (2 s), then comes back.
-    assert queues.receive(Priority.normal, 10, 0, 30) == []
+    # Neither deleted nor visible at once: it is held for its retry backoff, then comes back.
+    early = queues.receive(Priority.normal, 10, 0, 30)
+    # Only a receive answered within the backoff must find nothing; on a machine
+    # stalled for 2 s the message may rightly be back already, and is the retry below.
+    if time.monotonic() - hidden[0][2] < 2:
+        assert early == [], "the retried message was visible before its backoff ended"
     assert throttled, "the throttled object was never read"
     store = TaskStore(settings)
     assert all(store.get(t).status.value == "succeeded" for t in good)
     record = store.get(flaky)
     assert record.status.value == "queued" and record.error_code == "input_unavailable"
     assert key in record.error_message and "SlowDown" in record.error_message
-    [again] = queues.receive(Priority.normal, 10, 10, 30)
+    [again] = early or queues.receive(Priority.normal, 10, 10, 30)
     assert json.loads(again.body)["task_id"] == flaky and again.receive_count == 2
 
 
@@ -241,35 +257,63 @@ class _Raw:
         yield self.body
 
 
-def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner):
+def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner, monkeypatch):
     import threading
+
+    from sluice.api.waiter import CompletionWaiter
 
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["wait for me"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
     queued = api.get(f"/v1/tasks/{task_id}?wait_s=0.3", headers={"x-api-key": api.key_a})
     assert queued.status_code == 200 and queued.json()["status"] == "queued"  # timed out, still queued
     batch = receive_all(settings, 1)
-    finisher = threading.Thread(target=run_once, args=(runner, batch))
-    views = []
-    waiting = threading.Thread(target=lambda: views.append(
-        api.get(f"/v1/tasks/{task_id}?wait_s=15", headers={"x-api-key": api.key_a}).json()))
+
+    # The app's waiter, as its next wait() shows it: the GET must be parked
+    # there, waiting for an outcome, before the worker writes one. (A GET whose
+    # first look came after the outcome would pass with the long poll broken.)
+    waiters = []
+    real_wait = CompletionWaiter.wait
+
+    async def spied_wait(self, task_id, timeout_s):
+        waiters.append(self)
+        return await real_wait(self, task_id, timeout_s)
+
+    monkeypatch.setattr(CompletionWaiter, "wait", spied_wait)
+
+    def parked() -> bool:
+        return bool(waiters) and any(not w.any_state for w in list(waiters[-1]._waiting.get(task_id, [])))
+
+    wait_s = 20  # the most a client may ask for
+    answered = []
+    waiting = threading.Thread(target=lambda: answered.append(api.get(
+        f"/v1/tasks/{task_id}?wait_s={wait_s}", headers={"x-api-key": api.key_a})), daemon=True)
     waiting.start()
-    finisher.start()
-    finisher.join(15)
-    waiting.join(15)
-    assert not waiting.is_alive(), "the long poll did not return when the task finished"
-    assert views[0]["status"] == "succeeded" and views[0]["result"]["outputs"][0]["length"] == 11
+    wait_until(parked, 10, "the long poll to park in the API's CompletionWaiter")
+    assert waiting.is_alive(), answered and answered[0].json()  # parked, not answered yet
+
+    run_once(runner, batch)
+    # The waiter reads every 50 ms; 5 s is ample on a loaded machine and a
+    # quarter of wait_s, which a waiter that never woke early would take.
+    waiting.join(5)
+    assert not waiting.is_alive(), f"the long poll did not answer within 5 s of the outcome (wait_s={wait_s})"
+    [response] = answered
+    assert response.status_code == 200, response.text
+    view = response.json()
+    assert view["status"] == "succeeded" and view["result"]["outputs"][0]["length"] == 11
     other = api.get(f"/v1/tasks/{task_id}?wait_s=1", headers={"x-api-key": api.key_b})
     assert other.status_code == 404
     assert api.get(f"/v1/tasks/{task_id}?wait_s=21", headers={"x-api-key": api.key_a}).status_code == 422
 
 
 def test_long_poll_on_a_task_past_its_deadline_answers_expired_at_once(api, settings):
-    import time
-
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["late"], "deadline_s": 1},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
-    started = time.monotonic()
+    deadline_at = TaskStore(settings).get(task_id).deadline_at
     view = api.get(f"/v1/tasks/{task_id}?wait_s=15", headers={"x-api-key": api.key_a}).json()
+    late_s = time.time() - deadline_at / 1000
     assert view["status"] == "expired"
-    assert time.monotonic() - started < 10, "the long poll waited past the deadline"
+    # "At once": the waiter reads every 50 ms, then the route marks the task
+    # expired, two or three emulator calls of ~10 ms (a few hundred on a loaded
+    # 2-core machine). 3 s after the deadline is ten times that, and still far
+    # from the 14 s a GET that only noticed the deadline when wait_s ran out would take.
+    assert late_s < 3, f"the long poll answered {late_s:.1f}s after the deadline"

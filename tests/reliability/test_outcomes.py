@@ -169,11 +169,16 @@ def test_a_task_dead_lettered_without_an_outcome_gets_one(env):
     ledger.add([crashed], intended="failed")
     sqs, source, dlq = env.inspector.sqs, env.inspector.queue_url("normal"), env.inspector.queue_url("normal", True)
     moved = set()
-    while len(moved) < 2:
+
+    def move_to_dlq() -> bool:
         for m in sqs.receive_message(QueueUrl=source, MaxNumberOfMessages=10, VisibilityTimeout=60).get("Messages", []):
             sqs.send_message(QueueUrl=dlq, MessageBody=m["Body"])
             sqs.delete_message(QueueUrl=source, ReceiptHandle=m["ReceiptHandle"])
             moved.add(json.loads(m["Body"])["task_id"])
+        return len(moved) >= 2
+
+    wait_until(move_to_dlq, 20, "both tasks' messages to be received and moved to the dead-letter queue",
+               state=lambda: moved)
     assert moved == {handed_back, crashed}
     env.inspector.ddb.update_item(
         TableName="sluice-tasks", Key={"task_id": {"S": crashed}},

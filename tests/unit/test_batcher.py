@@ -18,8 +18,17 @@ def message(priority: Priority, inputs: int = 1, n: int = 0) -> Received:
 def test_full_batch_returns_without_waiting_for_the_timer():
     buffer = PrefetchBuffer(100)
     buffer.put([message(Priority.normal, n=i) for i in range(10)])
-    batch = buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=4, max_wait_s=60, idle_wait_s=1)
-    assert len(batch) == 4
+    result = []
+    # The timer (300 s) outlasts the join by far: only a batch that returns
+    # because it is full comes back in time.
+    taker = threading.Thread(target=lambda: result.extend(
+        buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs=4, max_wait_s=300, idle_wait_s=1)), daemon=True)
+    taker.start()
+    taker.join(10)
+    alive = taker.is_alive()
+    buffer.close()  # lets a take_batch that waits for the timer go
+    assert not alive, "a full batch waited for max_wait instead of returning"
+    assert len(result) == 4
 
 
 def test_partial_batch_is_released_when_the_wait_expires():

@@ -112,9 +112,12 @@ def test_wait_drained_ends_on_empty_queues_seen_twice_a_dead_worker_or_the_timeo
     depths = iter([5, 0, 3, 0, 0, 7])
     r = wait_drained(10, {"worker-0": _Proc()}, backlog=lambda: next(depths), poll_s=0.01)
     assert r["end"] == "queues empty"  # 0 then 3 does not count; 0, 0 does
-    r = wait_drained(10, {"worker-0": _Proc(), "worker-1": _Proc(-9), "emulator": _Proc(0)}, backlog=lambda: 5)
+    polls = []
+    r = wait_drained(10, {"worker-0": _Proc(), "worker-1": _Proc(-9), "emulator": _Proc(0)},
+                     backlog=lambda: polls.append(1) or 5)
     assert r == {"end": "worker exited", "waited_s": r["waited_s"], "dead": {"worker-1": -9}}
-    assert r["waited_s"] < 1
+    # At once: seen on the first round, not after polling the queues (counted in polls, not seconds).
+    assert len(polls) <= 1, f"{len(polls)} backlog polls before the dead worker was noticed"
     r = wait_drained(0.05, {}, backlog=lambda: 5, poll_s=0.01)
     assert r["end"] == "timeout"
 
@@ -201,20 +204,36 @@ def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path,
     figures computed, printed and saved phase by phase, problems flagged."""
     import time
 
+    from tests.reliability.harness import wait_until
+
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
     monkeypatch.setenv("SLUICE_GPU_BUDGET_S", "400")
     saved = []
     real_save = gpu.save
     monkeypatch.setattr(gpu, "save", lambda name, data: saved.append(json.loads(json.dumps(data))) or real_save(name, data))
 
+    samplers = []
+
+    class Sampler(gpu.Sampler):  # the dry run's own sampler, seen by the fake raw loop
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            samplers.append(self)
+
+    monkeypatch.setattr(gpu, "Sampler", Sampler)
+    windows = {}
+
     def fake_raw(batches, threads, seconds, dtype, device, timeout_s):
-        out = []
+        sampler, out = samplers[-1], []
         for b in batches:
             t0 = time.time()
-            time.sleep(0.6)
-            out.append({"batch": b, "per_s": 1000.0, "sentences": 10 * b, "seconds": 0.6, "window_start_s": t0,
-                        "window_end_s": time.time(), "tokens_padded": 150 * b, "tokens_real": 140 * b,
-                        "padded_length_batches": {"15": 10}})
+            # The timed window lasts until the sampler has taken 5 samples in it
+            # (what gpu.main wants before it flags a run), however slowly it runs.
+            wait_until(lambda: sum(t >= t0 for t, _ in list(sampler.samples)) >= 5, 30,
+                       f"5 utilization samples in raw batch {b}'s window", every_s=0.02)
+            windows[b] = (t0, time.time())
+            out.append({"batch": b, "per_s": 1000.0, "sentences": 10 * b, "seconds": windows[b][1] - t0,
+                        "window_start_s": t0, "window_end_s": windows[b][1], "tokens_padded": 150 * b,
+                        "tokens_real": 140 * b, "padded_length_batches": {"15": 10}})
         return out
 
     def fake_drain(n, batch, threads, timeout_s, workers, inputs_per_task, extra_env, start_timeout_s,
@@ -237,7 +256,11 @@ def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path,
     assert "raw_32" in saved[1] and "drain_big" not in saved[1]
     r = final["raw_32"]
     assert r["flops_per_sentence"] == gpu.flops_per_sentence(15)
-    assert r["gpu_util_pct"] == 50.0 and r["gpu_util_samples"] >= 4
+    # Counted over the run's own window: the samples taken before it (batch 8's) are left out.
+    in_window = [u for t, u in samplers[0].samples if windows[32][0] <= t <= windows[32][1]]
+    assert len(in_window) >= 5 and len(samplers[0].samples) > len(in_window)
+    assert r["gpu_util_pct"] == 50.0 and r["gpu_util_samples"] == len(in_window)
+    assert not any(p.startswith("raw batch") for p in final["problems"])  # none flagged for too few samples
     assert r["fraction_of_peak_bf16"] and r["fraction_of_roofline"]
     d = final["drain_big"]
     assert d["efficiency_vs_raw"] == 0.5 and d["fraction_of_peak_bf16"] and d["fraction_of_roofline"]
@@ -264,7 +287,23 @@ def test_descendants_and_kill_snapshot_reach_a_child_in_its_own_session():
         assert len(tree) == 2
         assert sorted(kill_snapshot(tree)) == sorted(tree)
         parent.wait(5)
-        time.sleep(0.2)
+
+        def still_running() -> list[int]:  # read-only: polling kill_snapshot would kill again
+            alive = []
+            for pid, started in tree.items():
+                try:
+                    fields = bench.common.proc_stat(pid)
+                except OSError:
+                    continue  # gone
+                if fields[0] not in ("Z", "X") and int(fields[19]) == started:
+                    alive.append(pid)
+            return alive
+
+        # SIGKILL is delivered at once, but /proc may show it a moment later.
+        deadline = time.monotonic() + 5
+        while still_running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert still_running() == [], "kill_snapshot left processes of the tree running"
         assert kill_snapshot(tree) == []  # all gone (or zombies no longer the same process)
     finally:
         parent.kill()

@@ -7,6 +7,7 @@ from sluice.contract import (
     ALLOWED_TRANSITIONS,
     MAX_INPUTS_PER_TASK,
     TERMINAL_STATUSES,
+    BatchSubmitRequest,
     Priority,
     SubmitRequest,
     TaskMessage,
@@ -76,7 +77,35 @@ def test_record_view_derives_queue_time_and_error():
     assert view.error.code == "model_error" and view.error.message == "boom"
 
 
+def _without_null_defaults(schema):
+    """FastAPI's OpenAPI models leave out `"default": null`; nothing else differs."""
+    if isinstance(schema, dict):
+        return {k: _without_null_defaults(v) for k, v in schema.items() if not (k == "default" and v is None)}
+    if isinstance(schema, list):
+        return [_without_null_defaults(v) for v in schema]
+    return schema
+
+
 def test_openapi_request_schema_comes_from_the_contract():
-    schema = SubmitRequest.model_json_schema()
-    assert schema["properties"]["inputs"]["maxItems"] == MAX_INPUTS_PER_TASK
-    assert set(schema["required"]) == {"model", "inputs"}
+    """The document the app serves describes its request bodies with the
+    contract's own schemas, limits included."""
+    from fastapi.testclient import TestClient
+
+    from sluice.api.app import create_app
+    from sluice.settings import Settings
+
+    served = TestClient(create_app(Settings(models="synthetic"))).get("/openapi.json")
+    assert served.status_code == 200
+    document = served.json()
+    components = document["components"]["schemas"]
+    for path, model in (("/v1/tasks", SubmitRequest), ("/v1/tasks/batch", BatchSubmitRequest)):
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True, path
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model.__name__}"}, path
+        contract = _without_null_defaults(model.model_json_schema(ref_template="#/components/schemas/{model}"))
+        for name, schema in contract.pop("$defs", {}).items():
+            assert components[name] == schema, name
+        assert components[model.__name__] == contract, model.__name__
+    inputs = components["SubmitRequest"]["properties"]["inputs"]
+    assert inputs["maxItems"] == MAX_INPUTS_PER_TASK and inputs["minItems"] == 1
+    assert set(components["SubmitRequest"]["required"]) == {"model", "inputs"}

@@ -8,6 +8,7 @@ that started max_attempts times is failed, one that never ran is requeued.
 from __future__ import annotations
 
 import importlib
+import json
 from types import SimpleNamespace
 
 import boto3
@@ -16,6 +17,7 @@ from cdk import access
 from sluice.adapters.task_store import Change, TaskStore
 from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest, TaskStatus
+from tests.reliability.harness import wait_until
 
 
 def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, monkeypatch, aws_calls):
@@ -34,15 +36,18 @@ def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, mon
     crashed, never_ran = (service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[x]), None).task_id
                           for x in ("crashed", "never ran"))
     dlq = sqs.get_queue_url(QueueName=settings.queue_name(Priority.normal, dlq=True))["QueueUrl"]
-    moved = 0
-    while moved < 2:  # what the redrive policy does after the last receive
-        messages = sqs.receive_message(QueueUrl=urls[Priority.normal], MaxNumberOfMessages=10,
-                                       WaitTimeSeconds=1).get("Messages", [])
-        assert messages or moved, "the two submits left no message"
-        for m in messages:
+    moved = []
+
+    def move_to_dlq() -> bool:  # what the redrive policy does after the last receive
+        for m in sqs.receive_message(QueueUrl=urls[Priority.normal], MaxNumberOfMessages=10,
+                                     WaitTimeSeconds=1).get("Messages", []):
             sqs.send_message(QueueUrl=dlq, MessageBody=m["Body"])
             sqs.delete_message(QueueUrl=urls[Priority.normal], ReceiptHandle=m["ReceiptHandle"])
-            moved += 1
+            moved.append(json.loads(m["Body"])["task_id"])
+        return len(moved) >= 2
+
+    wait_until(move_to_dlq, 15, "both submits' messages to be moved to the dead-letter queue", state=lambda: moved)
+    assert sorted(moved) == sorted([crashed, never_ran])
     store = TaskStore(settings)
     # Its three starts' record: the first delivery's start is not written (sluice.lifecycle).
     store.apply(Change(crashed, {"attempts": 2}, (TaskStatus.queued,)))
