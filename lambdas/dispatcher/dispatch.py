@@ -103,7 +103,7 @@ class Dispatcher:
         retry: dict[str, str] = {}
         jobs = self._parse(deliveries)
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
-        runnable, unreadable = load_inputs(self.payloads, self._claim(jobs, retry), self.pool)
+        runnable, unreadable = load_inputs(self.payloads, self._claim(jobs), self.pool)
         outcomes, turned_away = self._infer(runnable)
         self._record(unreadable + outcomes, retry)
         if turned_away:
@@ -128,7 +128,7 @@ class Dispatcher:
                 jobs[message.task_id] = Job(message, [d])
         return jobs
 
-    def _claim(self, jobs: dict[str, Job], retry: dict[str, str]) -> list[Job]:
+    def _claim(self, jobs: dict[str, Job]) -> list[Job]:
         if not jobs:
             return []
         # Expired and gone (rolled back, duplicate, cancelled) tasks are simply

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
@@ -153,13 +153,10 @@ class TaskStore:
             records = [r.model_copy(update={"submit_token": token}) for r in records]
         for chunk in _chunks(records, _BATCH_WRITE_LIMIT):
             request = {self.table: [{"PutRequest": {"Item": to_item(r)}} for r in chunk]}
-            for attempt in range(6):
-                request = self.ddb.batch_write_item(RequestItems=request).get("UnprocessedItems") or {}
-                if not request:
-                    break
-                time.sleep(0.05 * 2**attempt)  # throttled: back off as the SDK would
-            if request:
-                raise RuntimeError(f"{len(request[self.table])} task records were not written")
+            left = _until_processed(
+                lambda r: self.ddb.batch_write_item(RequestItems=r).get("UnprocessedItems") or {}, request)
+            if left:
+                raise RuntimeError(f"{len(left[self.table])} task records were not written")
 
     def get(self, task_id: str) -> TaskRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
@@ -179,15 +176,15 @@ class TaskStore:
         items: list[dict[str, Any]] = []
         for chunk in _chunks(ids, 100):
             request = {self.table: {"Keys": [_key(t) for t in chunk], "ConsistentRead": True, **(options or {})}}
-            for attempt in range(6):
-                response = self.ddb.batch_get_item(RequestItems=request)
-                items += response["Responses"].get(self.table, [])
-                request = response.get("UnprocessedKeys") or {}
-                if not request:
-                    break
-                time.sleep(0.05 * 2**attempt)  # throttled: back off as the SDK would
-            if request:
-                raise RuntimeError(f"{len(request[self.table]['Keys'])} task records could not be read")
+
+            def read(r: dict) -> dict:
+                response = self.ddb.batch_get_item(RequestItems=r)
+                items.extend(response["Responses"].get(self.table, []))
+                return response.get("UnprocessedKeys") or {}
+
+            left = _until_processed(read, request)
+            if left:
+                raise RuntimeError(f"{len(left[self.table]['Keys'])} task records could not be read")
         return items
 
     def delete_if_queued(self, task_id: str, token: str | None = None) -> None:
@@ -253,6 +250,18 @@ def expire(task_id: str, now: int) -> Change:
     """A task past its deadline without an outcome: the claim of a worker (or
     the dispatcher) and the API's read of it write the same change."""
     return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, (TaskStatus.queued,))
+
+
+def _until_processed(send: Callable[[dict], dict], request: dict, tries: int = 6) -> dict:
+    """Send a batch request, then what DynamoDB left unprocessed (its answer to
+    throttling, not an error), backing off as the SDK would. Returns what is
+    still unprocessed after `tries` sends."""
+    for attempt in range(tries):
+        request = send(request)
+        if not request:
+            break
+        time.sleep(0.05 * 2**attempt)
+    return request
 
 
 def _key(task_id: str) -> dict[str, Any]:
