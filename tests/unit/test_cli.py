@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from onprem.embedded import free_port
 from sluice import cli
+from tests.http_stub import serving
 
 
 class Gateway(BaseHTTPRequestHandler):
@@ -36,11 +36,8 @@ class Gateway(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def gateway():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(Gateway) as url:
+        yield url
 
 
 def test_an_answer_that_is_not_json_is_shown_not_a_traceback(gateway, capsys):
@@ -86,11 +83,8 @@ class Api(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def api():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(Api) as url:
+        yield url
 
 
 @pytest.mark.parametrize("final, code", [("succeeded", 0), ("failed", 3), ("expired", 3), ("cancelled", 3)])

@@ -14,11 +14,10 @@ import importlib
 import io
 import json
 import re
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import boto3
 import pytest
@@ -33,6 +32,7 @@ from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest, TaskStatus
 from sluice.dlq import settle_dead
 from sluice.settings import Settings
+from tests.http_stub import serving
 
 ENDPOINT = "sluice-endpoint"
 
@@ -88,12 +88,8 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def runtime_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SageMakerRuntime)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(SageMakerRuntime) as url:
+        yield url
 
 
 @pytest.fixture
