@@ -43,6 +43,10 @@ class QueueBacklog:
         self._clock = clock
         self._recheck_at = cap * recheck_fraction
         self._seen: dict[Priority, tuple[float, int, int]] = {}  # read at, depth then, sent since
+        # The drain rate's baseline is kept apart from the depth's: near the cap
+        # readings come closer together than _RATE_WINDOW_S, and each would
+        # otherwise restart the window before it could measure anything.
+        self._rate_base: dict[Priority, tuple[float, int, int]] = {}  # read at, depth then, sent since
         self._rate: dict[Priority, float] = {}  # tasks/s taken off the queue, smoothed
         self._renewing: set[Priority] = set()
         self._lock = threading.Lock()
@@ -76,9 +80,11 @@ class QueueBacklog:
 
     def sent(self, priority: Priority, n: int) -> None:
         with self._lock:
-            if priority in self._seen:  # else the first reading will count them
-                read_at, depth, sent = self._seen[priority]
-                self._seen[priority] = (read_at, depth, sent + n)
+            # Before the first reading there is nothing to add to: it will count them.
+            for readings in (self._seen, self._rate_base):
+                if priority in readings:
+                    read_at, depth, sent = readings[priority]
+                    readings[priority] = (read_at, depth, sent + n)
 
     def _estimate(self, priority: Priority) -> int | None:
         with self._lock:
@@ -110,10 +116,12 @@ class QueueBacklog:
         read_at = self._clock()
         depth = self._read(priority)
         with self._lock:
-            before = self._seen.get(priority)
             self._seen[priority] = (read_at, depth, 0)
-            if before and read_at - before[0] >= _RATE_WINDOW_S:
-                then, depth_then, sent = before
+            base = self._rate_base.get(priority)
+            if base is None or read_at - base[0] >= _RATE_WINDOW_S:
+                self._rate_base[priority] = (read_at, depth, 0)
+            if base and read_at - base[0] >= _RATE_WINDOW_S:
+                then, depth_then, sent = base
                 taken = max(0, depth_then + sent - depth) / (read_at - then)
                 old = self._rate.get(priority)
                 self._rate[priority] = taken if old is None else (old + taken) / 2

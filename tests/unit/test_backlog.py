@@ -139,3 +139,34 @@ def test_a_reading_from_before_an_idle_spell_is_read_again_before_answering():
     read.depth = 0
     assert backlog.estimate(Priority.high) == 0  # not 5 from a minute ago
     assert read.calls == 2
+
+
+def test_near_the_cap_readings_closer_than_the_rate_window_still_measure_the_drain():
+    # Near the cap every submit reads the depth inline, so readings can come
+    # 0.2 s apart; the rate is measured from the last reading a window back.
+    read, clock = Counter(950), Clock()
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, clock=clock)
+    backlog.depth(Priority.low)
+    for depth in (940, 930, 920, 910, 900):  # 10 tasks taken every 0.2 s: 50 a second
+        clock.now += 0.2
+        backlog.sent(Priority.low, 0)
+        read.depth = depth
+        backlog.depth(Priority.low)
+    assert read.calls == 6
+    assert backlog.drain_rate() is not None
+    assert backlog.drain_rate() == pytest.approx(50.0)
+
+
+def test_what_was_sent_between_close_readings_counts_in_the_drain_rate():
+    read, clock = Counter(950), Clock()
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, clock=clock)
+    backlog.depth(Priority.low)
+    clock.now += 0.3
+    backlog.sent(Priority.low, 30)
+    read.depth = 960  # 30 sent, 20 taken
+    backlog.depth(Priority.low)
+    clock.now += 0.3
+    backlog.sent(Priority.low, 10)
+    read.depth = 950  # 10 sent, 20 taken
+    backlog.depth(Priority.low)
+    assert backlog.drain_rate() == pytest.approx(40 / 0.6)
