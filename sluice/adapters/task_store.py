@@ -246,10 +246,15 @@ class TaskStore:
         return {task_id for task_id in rejected if task_id}
 
 
+DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
 def expire(task_id: str, now: int) -> Change:
     """A task past its deadline without an outcome: the claim of a worker (or
     the dispatcher) and the API's read of it write the same change."""
-    return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now}, (TaskStatus.queued,))
+    # The error says why the task has no result; a cancelled task needs none (the client did it).
+    return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now, "error_code": DEADLINE_EXCEEDED,
+                            "error_message": "its deadline passed before a worker ran it"}, (TaskStatus.queued,))
 
 
 def _until_processed(send: Callable[[dict], dict], request: dict, tries: int = 6) -> dict:

@@ -88,6 +88,8 @@ def test_cancelled_and_expired_tasks_never_run(api, settings, runner):
     store = TaskStore(settings)
     assert store.get(cancelled).status.value == "cancelled" and store.get(cancelled).attempts == 0
     assert store.get(expired).status.value == "expired"
+    assert store.get(expired).to_view().error.code == "deadline_exceeded"  # says why it has no result
+    assert store.get(cancelled).to_view().error is None  # the client's own doing
     assert receive_all(settings, 1) == []
 
 
@@ -312,6 +314,7 @@ def test_long_poll_on_a_task_past_its_deadline_answers_expired_at_once(api, sett
     view = api.get(f"/v1/tasks/{task_id}?wait_s=15", headers={"x-api-key": api.key_a}).json()
     late_s = time.time() - deadline_at / 1000
     assert view["status"] == "expired"
+    assert view["error"]["code"] == "deadline_exceeded", view
     # "At once": the waiter reads every 50 ms, then the route marks the task
     # expired, two or three emulator calls of ~10 ms (a few hundred on a loaded
     # 2-core machine). 3 s after the deadline is ten times that, and still far
