@@ -18,6 +18,8 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from sluice.settings import SettingsError
+
 STATE_FILE = Path(os.environ.get("SLUICE_STATE_DIR", ".sluice")) / "embedded.json"
 
 
@@ -246,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `sluice get … | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except SettingsError as exc:
+        print(f"sluice: refused settings:\n{exc}", file=sys.stderr)
+        return 1
     except (BotoCoreError, ClientError) as exc:
         # A wrong prefix, table, region or credentials: one line with what was used, not a traceback.
         command = " ".join(filter(None, (args.command, getattr(args, "keys_command", None), getattr(args, "action", None))))

@@ -8,16 +8,33 @@ emulator differ only in those standard variables.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sluice.contract import Priority
 
 
+ENV_PREFIX = "SLUICE_"
+
+
+class SettingsError(ValueError):
+    """Settings refused at start-up, a line per variable: `SLUICE_X='value': why`."""
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    def __init__(self, **values: Any):
+        # pydantic names the field (max_batch_size); an operator sets SLUICE_MAX_BATCH_SIZE.
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise SettingsError("\n".join(
+                f"{ENV_PREFIX}{'.'.join(map(str, e['loc'])).upper()}={_shown(e['input'])}: {e['msg']}"
+                for e in exc.errors(include_url=False)
+            )) from None
 
     region: str = Field(default="us-east-1", description="Used when AWS_REGION is not set.")
     tasks_table: str = "sluice-tasks"
@@ -75,6 +92,11 @@ class Settings(BaseSettings):
 
     def model_names(self) -> list[str]:
         return [m.strip() for m in self.models.split(",") if m.strip()]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @lru_cache

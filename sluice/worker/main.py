@@ -16,7 +16,7 @@ import time
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
-from sluice.settings import Settings
+from sluice.settings import Settings, SettingsError
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.policy import WeightedPriorityPolicy
@@ -151,7 +151,11 @@ def main() -> int:
         stream=sys.stderr,
     )
     logging.getLogger("botocore").setLevel(logging.WARNING)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except SettingsError as exc:
+        log.error("refused settings:\n%s", exc)
+        return 2
     from models.registry import load_models
 
     worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads))

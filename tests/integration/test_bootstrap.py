@@ -8,11 +8,10 @@ import boto3
 import pytest
 from botocore.client import BaseClient
 from botocore.exceptions import ClientError
-from pydantic import ValidationError
 
 from sluice.bootstrap import ensure_bucket, ensure_queues, ensure_resources
 from sluice.contract import MAX_DEADLINE_S, Priority
-from sluice.settings import Settings
+from sluice.settings import Settings, SettingsError
 
 
 def max_receive_counts(settings: Settings) -> set[int]:
@@ -45,7 +44,7 @@ def test_every_queue_keeps_a_message_longer_than_any_deadline(settings):
 
 @pytest.mark.parametrize("bad", [0, 1001])
 def test_max_attempts_outside_what_a_redrive_policy_takes_is_refused(bad):
-    with pytest.raises(ValidationError, match="max_attempts"):
+    with pytest.raises(SettingsError, match="SLUICE_MAX_ATTEMPTS"):
         Settings(max_attempts=bad)
 
 

@@ -194,3 +194,4 @@ def test_a_reader_that_leaves_early_is_no_error(monkeypatch):
     monkeypatch.setattr(cli, "cmd_get", closed_pipe)
     monkeypatch.setattr(os, "dup2", lambda *_: None)  # leave pytest's stdout alone
     assert cli.main(["get", "t"]) == 0
+

@@ -4,10 +4,8 @@ fail later: every task (a batch size of 0) or every call (a wait SQS refuses).""
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
-
 from sluice.contract import Priority
-from sluice.settings import Settings
+from sluice.settings import Settings, SettingsError
 
 
 @pytest.mark.parametrize(
@@ -25,9 +23,22 @@ from sluice.settings import Settings
 )
 def test_a_value_out_of_range_is_refused_naming_it(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValidationError) as refused:
+    with pytest.raises(SettingsError) as refused:
         Settings()
-    assert name.removeprefix("SLUICE_").lower() in str(refused.value)
+    # The variable an operator sets, and what was wrong with its value; not the field's name alone.
+    assert str(refused.value).startswith(f"{name}={value!r}: "), refused.value
+    assert "\n" not in str(refused.value)
+
+
+def test_every_refused_variable_is_named_on_its_own_line(monkeypatch):
+    monkeypatch.setenv("SLUICE_MAX_BATCH_SIZE", "abc")
+    monkeypatch.setenv("SLUICE_DEVICE", "gpu")
+    with pytest.raises(SettingsError) as refused:
+        Settings()
+    lines = str(refused.value).splitlines()
+    assert [line.split("=")[0] for line in lines] == ["SLUICE_MAX_BATCH_SIZE", "SLUICE_DEVICE"]
+    assert "valid integer" in lines[0] and "'cuda'" in lines[1]
+    assert isinstance(refused.value, ValueError)
 
 
 def test_priority_weights_may_be_spaced_and_partial(monkeypatch):
@@ -67,5 +78,23 @@ def test_without_any_region_it_is_us_east_1(monkeypatch, tmp_path):
 
 def test_an_unknown_device_is_refused_at_start_up(monkeypatch):
     monkeypatch.setenv("SLUICE_DEVICE", "gpu")
-    with pytest.raises(ValidationError, match="device"):
+    with pytest.raises(SettingsError, match="SLUICE_DEVICE"):
         Settings()
+
+
+def test_a_refused_setting_is_named_by_its_variable_not_a_traceback(monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_MAX_BATCH_SIZE", "abc")
+    from sluice import cli
+
+    assert cli.main(["dlq", "list"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "SLUICE_MAX_BATCH_SIZE='abc': Input should be a valid integer" in err, err
+
+
+def test_a_worker_with_a_refused_setting_exits_2_before_loading_a_model(monkeypatch, caplog):
+    from sluice.worker import main as worker_main
+
+    monkeypatch.setenv("SLUICE_MAX_BATCH_SIZE", "0")
+    monkeypatch.setattr("models.registry.load_models", lambda *a: pytest.fail("loaded models with refused settings"))
+    assert worker_main.main() == 2
+    assert "SLUICE_MAX_BATCH_SIZE='0': Input should be greater than or equal to 1" in caplog.text
