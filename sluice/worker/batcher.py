@@ -2,7 +2,9 @@
 
 Receiver threads fill one bounded deque per priority; the batcher takes messages
 out by the priority policy until the batch holds `max_batch_size` inputs or
-`max_wait_ms` has passed since its first message.
+`max_wait_ms` has passed since its first message. A task with more inputs than
+the batch has room left for does not end the batch: it keeps its turn and
+starts the next batch, while smaller tasks fill this one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class PrefetchBuffer:
         self._queues: dict[Priority, deque[tuple[Received, int]]] = {p: deque() for p in Priority}
         self._cond = threading.Condition()
         self.closed = False
+        # The priority whose head task was picked but did not fit: it starts the next batch.
+        self._deferred: Priority | None = None
 
     def room(self, priority: Priority) -> int:
         with self._cond:
@@ -52,6 +56,7 @@ class PrefetchBuffer:
         """Stop batching; returns what was buffered but never taken."""
         with self._cond:
             self.closed = True
+            self._deferred = None
             left = [m for q in self._queues.values() for m, _ in q]
             for q in self._queues.values():
                 q.clear()
@@ -73,23 +78,32 @@ class PrefetchBuffer:
             if not self._cond.wait_for(lambda: self.closed or self._ready(), idle_wait_s) or self.closed:
                 return batch
             deadline = time.monotonic() + max_wait_s
+            if self._deferred is not None and self._queues[self._deferred]:
+                message, inputs = self._queues[self._deferred].popleft()  # it had its turn already
+                batch.append(message)
+            self._deferred = None
+            passed: set[Priority] = set()  # their head task does not fit in this batch
             while True:
-                full = False
-                while self._ready():
-                    priority = policy.pick(self._ready())
+                full = inputs >= max_inputs
+                while not full and (ready := [p for p in self._ready() if p not in passed]):
+                    priority = policy.pick(ready)
                     message, n = self._queues[priority][0]
                     if batch and inputs + n > max_inputs:
-                        full = True
-                        break
+                        # Ending the batch here would starve a big task (its
+                        # turn spent, the batch cut short, again and again).
+                        if self._deferred is None:
+                            self._deferred = priority
+                        else:
+                            policy.refund(priority, ready)
+                        passed.add(priority)
+                        continue
                     self._queues[priority].popleft()
                     batch.append(message)
                     inputs += n
-                    if inputs >= max_inputs:
-                        full = True
-                        break
+                    full = inputs >= max_inputs
                 self._cond.notify_all()  # receivers may have room again
                 remaining = deadline - time.monotonic()
-                if full or remaining <= 0 or self.closed:
+                if full or remaining <= 0 or self.closed or len(passed) == len(Priority):
                     return batch
                 self._cond.wait(remaining)
 

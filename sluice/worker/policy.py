@@ -29,3 +29,9 @@ class WeightedPriorityPolicy:
         chosen = max(ready, key=lambda p: (self._current[p], -list(Priority).index(p)))
         self._current[chosen] -= total
         return chosen
+
+    def refund(self, chosen: Priority, ready: list[Priority]) -> None:
+        """Undo the pick(ready) that chose `chosen`: its turn was not used."""
+        for p in ready:
+            self._current[p] -= self.weights[p]
+        self._current[chosen] += sum(self.weights[p] for p in ready)

@@ -92,3 +92,33 @@ def test_room_shrinks_as_messages_arrive():
     buffer.put([message(Priority.high, n=i) for i in range(3)])
     assert buffer.room(Priority.high) == 2
     assert buffer.room(Priority.low) == 5
+
+
+def test_a_task_too_big_for_the_rest_of_a_batch_starts_the_next_one_and_batches_stay_full():
+    # high and normal always hold one-input tasks; low holds one task of 30.
+    # Each time low's turn came up mid-batch, its task did not fit and the batch
+    # ended there: it was never served, and batches averaged 9 inputs of 32.
+    buffer, policy = PrefetchBuffer(32), WeightedPriorityPolicy(WEIGHTS)
+    buffer.put([message(Priority.low, inputs=30, n=-1)])
+    sizes, served_in = [], None
+    for b in range(50):
+        for p in (Priority.high, Priority.normal):
+            buffer.put([message(p, n=1000 * b + i) for i in range(buffer.room(p))])
+        batch = buffer.take_batch(policy, max_inputs=32, max_wait_s=0, idle_wait_s=1)
+        sizes.append(sum(m.task().input_count for m in batch))
+        if any(m.task().task_id == "low--1" for m in batch):
+            served_in = b
+            break
+    assert served_in is not None and served_in < 10, f"the 30-input task waited {len(sizes)} batches"
+    assert set(sizes) == {32}, sizes
+
+
+def test_two_tasks_too_big_for_the_same_batch_are_each_served():
+    buffer, policy = PrefetchBuffer(64), WeightedPriorityPolicy(WEIGHTS)
+    buffer.put([message(Priority.normal, inputs=20, n=-1)])
+    buffer.put([message(Priority.low, inputs=20, n=-2)])
+    served = set()
+    for b in range(40):
+        buffer.put([message(Priority.high, n=1000 * b + i) for i in range(buffer.room(Priority.high))])
+        served |= {m.task().task_id for m in buffer.take_batch(policy, max_inputs=32, max_wait_s=0, idle_wait_s=1)}
+    assert {"normal--1", "low--2"} <= served

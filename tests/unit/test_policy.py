@@ -41,3 +41,13 @@ def test_single_ready_priority_always_wins():
 def test_rejects_zero_weight():
     with pytest.raises(ValueError):
         WeightedPriorityPolicy({H: 1, N: 0, L: 1})
+
+
+def test_a_refunded_pick_leaves_no_trace():
+    policy, untouched = WeightedPriorityPolicy({H: 6, N: 3, L: 1}), WeightedPriorityPolicy({H: 6, N: 3, L: 1})
+    picks = []
+    for i in range(30):
+        if i % 4 == 0:
+            policy.refund(policy.pick([N, L]), [N, L])
+        picks.append(policy.pick(ALL))
+    assert picks == [untouched.pick(ALL) for _ in range(30)]
