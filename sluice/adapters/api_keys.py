@@ -7,6 +7,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 
 from botocore.exceptions import ClientError
 
@@ -15,6 +16,11 @@ from sluice.contract import ApiKeyRecord, now_ms
 from sluice.settings import Settings
 
 KEY_PREFIX = "sk_"
+# Unknown keys are remembered briefly and apart from known ones: enough to spare
+# the table a client retrying a bad key, too little for guesses to crowd out
+# valid keys, and a key created meanwhile works within seconds.
+UNKNOWN_TTL_S = 2.0
+UNKNOWN_CACHE_SIZE = 1_000
 
 
 _MISS = object()
@@ -38,7 +44,9 @@ class ApiKeys:
         self.ddb = client("dynamodb", settings)
         self.cache_ttl_s = settings.key_cache_s
         self.cache_size = cache_size
-        self._cache: dict[str, tuple[float, ApiKeyRecord | None]] = {}
+        # Least recently used first: past its size, the oldest entry goes.
+        self._known: OrderedDict[str, tuple[float, ApiKeyRecord]] = OrderedDict()
+        self._unknown: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
     def create(self, tenant_id: str, key: str | None = None) -> tuple[str, ApiKeyRecord]:
@@ -88,7 +96,7 @@ class ApiKeys:
                 raise LookupError(named) from None
             raise
         with self._lock:
-            self._cache.pop(digest, None)
+            self._known.pop(digest, None)
         return _record(item)
 
     def _hash_of_id(self, key_id: str) -> str | None:
@@ -108,10 +116,7 @@ class ApiKeys:
         cached = self._cached(digest)
         if cached is _MISS:
             cached = self._load(digest)
-            with self._lock:
-                if len(self._cache) >= self.cache_size:
-                    self._cache.clear()
-                self._cache[digest] = (time.monotonic(), cached)
+            self._remember(digest, cached)
         return _valid(cached, digest)
 
     def authenticate_cached(self, key: str) -> ApiKeyRecord | None:
@@ -124,11 +129,24 @@ class ApiKeys:
         return _valid(cached, digest)
 
     def _cached(self, digest: str):
+        now = time.monotonic()
         with self._lock:
-            hit = self._cache.get(digest)
-        if hit and time.monotonic() - hit[0] < self.cache_ttl_s:
-            return hit[1]
+            known = self._known.get(digest)
+            if known and now - known[0] < self.cache_ttl_s:
+                self._known.move_to_end(digest)
+                return known[1]
+            unknown_at = self._unknown.get(digest)
+            if unknown_at is not None and now - unknown_at < min(self.cache_ttl_s, UNKNOWN_TTL_S):
+                return None
         return _MISS
+
+    def _remember(self, digest: str, record: ApiKeyRecord | None) -> None:
+        entries, size = (self._unknown, UNKNOWN_CACHE_SIZE) if record is None else (self._known, self.cache_size)
+        with self._lock:
+            entries[digest] = time.monotonic() if record is None else (time.monotonic(), record)
+            entries.move_to_end(digest)
+            while len(entries) > size:
+                entries.popitem(last=False)
 
     def _load(self, digest: str) -> ApiKeyRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key={"key_hash": {"S": digest}}, ConsistentRead=True).get("Item")

@@ -61,6 +61,17 @@ def test_a_key_is_read_from_the_table_once_then_answered_from_the_cache(settings
         keys.authenticate_cached(key)
 
 
+
+def test_unknown_keys_cannot_push_known_ones_out_of_the_cache(settings):
+    # Guessed keys (a scanner on the LAN) used to fill the cache and clear it,
+    # sending every valid key back to a thread and a table read.
+    keys = ApiKeys(settings.model_copy(update={"key_cache_s": 60}), cache_size=20)
+    key, _ = keys.create("tenant-e")
+    assert keys.authenticate(key).tenant_id == "tenant-e"
+    for i in range(50):
+        assert keys.authenticate(f"sk_guess{i}") is None
+    assert keys.authenticate_cached(key).tenant_id == "tenant-e"
+
 def test_submit_returns_202_with_position_and_records_one_task(api, settings):
     response = submit(api, api.key_a, {"model": "synthetic", "inputs": ["a", "b"], "priority": "high"})
     assert response.status_code == 202
