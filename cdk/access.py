@@ -20,17 +20,23 @@ API_TASKS = [
     "dynamodb:DeleteItem",
     "dynamodb:DescribeTable",
 ]
-API_OBJECTS = ["s3:PutObject", "s3:GetObject"]  # GetObject: the presigned result URLs are signed as this role
+# Objects by prefix (sluice.contract): the API writes inputs/ (claim checks) and
+# reads results/ (the presigned result URLs are signed as this role).
+API_INPUTS = ["s3:PutObject"]
+API_RESULTS = ["s3:GetObject"]
+API_OBJECTS = API_INPUTS + API_RESULTS  # whatever the prefix
 API_BUCKET = ["s3:ListBucket"]  # HeadBucket
 API_QUEUES = ["sqs:SendMessage", "sqs:GetQueueAttributes"]
 
 # Workers (EKS pods and the SageMaker dispatcher): claim and finish tasks,
 # read claim-checked inputs, write large results.
 WORKER_TASKS = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:UpdateItem"]
-WORKER_OBJECTS = ["s3:GetObject", "s3:PutObject"]
-# Under results/ only: a run whose outcome lost the conditional write deletes
-# the result it uploaded under its own key (sluice.lifecycle.write_outcomes).
-WORKER_RESULTS = ["s3:DeleteObject"]
+# Objects by prefix (sluice.contract): workers read inputs/ and write results/;
+# a run whose outcome lost the conditional write deletes the result it uploaded
+# under its own key (sluice.lifecycle.write_outcomes).
+WORKER_INPUTS = ["s3:GetObject"]
+WORKER_RESULTS = ["s3:PutObject", "s3:DeleteObject"]
+WORKER_OBJECTS = WORKER_INPUTS + WORKER_RESULTS  # whatever the prefix
 # Without it S3 answers a missing inputs object 403, not 404, and the task would
 # be retried until dead-lettered rather than failed at once (sluice.lifecycle).
 WORKER_BUCKET = ["s3:ListBucket"]

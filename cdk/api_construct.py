@@ -25,6 +25,9 @@ from cdk.storage_construct import Storage
 from sluice.contract import BatchSubmitRequest, SubmitRequest
 
 HEALTH_PATH = "/health"
+# The routes that answer at once (the API's latency alarms watch these; a
+# GET /v1/tasks/{id}?wait_s=N long poll takes up to 20 s by design).
+SUBMIT_ROUTES = (("POST", "/v1/tasks"), ("POST", "/v1/tasks/batch"))
 
 # API Gateway's own refusals, in the same error shape the app uses.
 _GATEWAY_ERRORS = {
@@ -75,7 +78,8 @@ class Api(Construct):
         )
         fn = self.handler.function
         storage.grant_tasks(fn, access.API_TASKS)
-        storage.grant_objects(fn, access.API_OBJECTS)
+        storage.grant_inputs(fn, access.API_INPUTS)
+        storage.grant_results(fn, access.API_RESULTS)
         storage.grant_bucket(fn, access.API_BUCKET)
         queues.grant(fn, access.API_QUEUES)
 

@@ -86,7 +86,7 @@ class SluiceConfig:
         default_factory=lambda: {"high": 60, "normal": 300, "low": 3600}
     )
     api_5xx_rate_pct: float = 1.0
-    api_p99_latency_ms: int = 1500
+    api_p99_latency_ms: int = 1500  # per submit route (POST /v1/tasks, /v1/tasks/batch), not long polls
     alarm_email: str | None = None
 
     # ------------------------------------------------------------ derived

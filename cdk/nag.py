@@ -11,7 +11,7 @@ import json
 from aws_cdk import Acknowledgment, CfnCondition, Stack, Validations
 from constructs import IConstruct
 
-from sluice.contract import RESULTS_PREFIX
+from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
 
 _OPEN_API = (
     "Clients authenticate with API Gateway API keys bound to usage plans; the tenant is the key id "
@@ -74,15 +74,15 @@ def _kubectl_findings(stack: Stack, kubectl: IConstruct) -> list[str]:
 
 def suppress(stack: Stack) -> None:
     bucket = stack.resolve(stack.get_logical_id(_find(stack, "Storage/Payloads/Resource")))
-    objects = f"AwsSolutions-IAM5[Resource::<{bucket}.Arn>/*]"
+    inputs = f"AwsSolutions-IAM5[Resource::<{bucket}.Arn>/{INPUTS_PREFIX}*]"
     results = f"AwsSolutions-IAM5[Resource::<{bucket}.Arn>/{RESULTS_PREFIX}*]"
     object_reason = (
-        "Object-level actions (GetObject/PutObject, and DeleteObject under results/ only) on this stack's "
-        "payload bucket only: an S3 object ARN needs the key wildcard."
+        "Object-level actions on this stack's payload bucket only, by key prefix (the API puts inputs/ and "
+        "gets results/; workers get inputs/, put and delete results/): an S3 object ARN needs the key wildcard."
     )
 
     # ---------------------------------------------------------------- API
-    _ack(stack, "Api/Handler/Role", object_reason, objects)
+    _ack(stack, "Api/Handler/Role", object_reason, inputs, results)
     _ack(stack, "Api/Handler/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(
         stack,
@@ -93,7 +93,7 @@ def suppress(stack: Stack) -> None:
     _ack(stack, "Api/RestApi/Default", _OPEN_API, "AwsSolutions-APIG4", "AwsSolutions-COG4")
 
     # ---------------------------------------------------------- SageMaker
-    _ack(stack, "Workers/Dispatcher/Role", object_reason, objects, results)
+    _ack(stack, "Workers/Dispatcher/Role", object_reason, inputs, results)
     _ack(stack, "Workers/Dispatcher/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(stack, "Workers/Settler/Role", _XRAY, "AwsSolutions-IAM5[Resource::*]")
     _ack(
@@ -106,7 +106,7 @@ def suppress(stack: Stack) -> None:
     )
 
     # ---------------------------------------------------------------- EKS
-    _ack(stack, "Workers/WorkerRole", object_reason, objects, results)
+    _ack(stack, "Workers/WorkerRole", object_reason, inputs, results)
     _ack(stack, "Workers/Cluster/Role", "The EKS cluster service role needs AmazonEKSClusterPolicy.",
          _managed("AmazonEKSClusterPolicy"))
     for group in ("NodegroupSystem", "NodegroupGpu"):

@@ -1,9 +1,10 @@
 """One dashboard and the alarms that page: DLQ not empty, oldest message older
-than its SLO, API 5xx rate and API p99 latency, all to one SNS topic."""
+than its SLO, API 5xx rate, the submit routes' p99 latency, and errors of the
+scheduled functions (the SageMaker backend's settler), all to one SNS topic."""
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_iam as iam
@@ -13,7 +14,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
 from constructs import Construct
 
-from cdk.api_construct import Api
+from cdk.api_construct import SUBMIT_ROUTES, Api
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.queues_construct import Queues
 from sluice.worker.metrics import DIMENSIONS as WORKER_DIMENSIONS
@@ -21,6 +22,7 @@ from sluice.worker.metrics import METRICS as WORKER_METRICS
 from sluice.worker.metrics import NAMESPACE as WORKER_NAMESPACE
 
 MINUTE = Duration.minutes(1)
+FIVE_MINUTES = Duration.minutes(5)
 
 
 def worker_metric(name: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
@@ -49,19 +51,49 @@ class Observability(Construct):
         functions: dict[str, lambda_.IFunction],
         gpu_metrics: list[cw.IMetric],
         dashboard_name: str,
+        scheduled: dict[str, lambda_.IFunction] | None = None,
     ) -> None:
+        """`scheduled`: functions run on a schedule, which no caller sees fail:
+        graphed with `functions`, and each alarms on its errors."""
         super().__init__(scope, id)
+        scheduled = scheduled or {}
+        stack = Stack.of(self)
+        cloudwatch = iam.ServicePrincipal("cloudwatch.amazonaws.com")
+        this_account = {"aws:SourceAccount": stack.account}  # on behalf of this account's alarms only
 
         key = kms.Key(self, "AlarmTopicKey", enable_key_rotation=True, description="Sluice alarm topic")
         # CloudWatch alarms publish to the encrypted topic.
         key.add_to_resource_policy(
             iam.PolicyStatement(
                 actions=["kms:Decrypt", "kms:GenerateDataKey*"],
-                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                principals=[cloudwatch],
                 resources=["*"],  # in a key policy, "*" is this key
+                conditions={"StringEquals": this_account},
             )
         )
         self.topic = sns.Topic(self, "Alarms", display_name="Sluice alarms", master_key=key, enforce_ssl=True)
+        # enforce_ssl gives the topic a policy of its own, which replaces SNS's
+        # default one (the account's principals may publish): without this
+        # statement CloudWatch may not publish the alarms to it.
+        self.topic.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="AllowCloudWatchAlarms",
+                actions=["sns:Publish"],
+                principals=[cloudwatch],
+                resources=[self.topic.topic_arn],
+                conditions={
+                    "StringEquals": this_account,
+                    "ArnLike": {
+                        "aws:SourceArn": stack.format_arn(
+                            service="cloudwatch",
+                            resource="alarm",
+                            resource_name="*",
+                            arn_format=ArnFormat.COLON_RESOURCE_NAME,
+                        )
+                    },
+                },
+            )
+        )
         if config.alarm_email:
             self.topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
         action = cw_actions.SnsAction(self.topic)
@@ -119,6 +151,15 @@ class Observability(Construct):
         errors_5xx = stage.metric_server_error(period=MINUTE, statistic="Sum")
         p50 = stage.metric_latency(period=MINUTE, statistic="p50", label="p50")
         p99 = stage.metric_latency(period=MINUTE, statistic="p99", label="p99")
+        # The stage's latency includes the long polls (GET /v1/tasks/{id}?wait_s=N),
+        # which hold up to 20 s by design: the alarm watches the submit routes,
+        # per method (the stage's method settings enable per-method metrics).
+        submit_p99 = {}
+        for method, path in SUBMIT_ROUTES:
+            latency = stage.metric_latency(period=MINUTE, statistic="p99", label=f"{method} {path} p99")
+            submit_p99[(method, path)] = latency.with_(
+                dimensions_map={**(latency.dimensions or {}), "Resource": path, "Method": method}
+            )
         rate_5xx = cw.MathExpression(
             expression="IF(requests > 0, 100 * errors / requests, 0)",
             using_metrics={"errors": errors_5xx, "requests": count},
@@ -126,20 +167,45 @@ class Observability(Construct):
             label="5xx %",
         )
         alarm("Api5xxRate", rate_5xx, config.api_5xx_rate_pct, f"Over {config.api_5xx_rate_pct}% of API calls end in 5xx.", periods=3)
-        alarm("ApiP99Latency", p99, config.api_p99_latency_ms, f"API p99 latency over {config.api_p99_latency_ms} ms.", periods=3)
+        for (method, path), latency in submit_p99.items():
+            alarm(
+                "ApiP99Latency" + "".join(part.title() for part in (method, *path.split("/"))),  # ...PostV1Tasks
+                latency,
+                config.api_p99_latency_ms,
+                f"{method} {path} p99 latency over {config.api_p99_latency_ms} ms.",
+                periods=3,
+            )
 
         # ------------------------------------------------------------ lambda
         fn_errors, fn_throttles, fn_duration = [], [], []
-        for name, fn in functions.items():
+        for name, fn in {**functions, **scheduled}.items():
             fn_errors.append(fn.metric_errors(period=MINUTE, statistic="Sum", label=name))
             fn_throttles.append(fn.metric_throttles(period=MINUTE, statistic="Sum", label=name))
             fn_duration.append(fn.metric_duration(period=MINUTE, statistic="p99", label=f"{name} p99"))
+        for name, fn in scheduled.items():
+            # Errors in 3 periods running, not one: a single failed run is retried by the next.
+            alarm(
+                f"{name.title()}Errors",
+                fn.metric_errors(period=FIVE_MINUTES, statistic="Sum"),
+                0,
+                f"The {name} function had errors in each of the last three 5-minute periods: see its logs.",
+                periods=3,
+            )
 
         # ----------------------------------------------------------- workers
         outcomes = [
             worker_metric("TasksSucceeded", "Sum", "succeeded"),
             worker_metric("TaskAttemptsFailed", "Sum", "failed attempts"),
+            worker_metric("TaskAttemptsDropped", "Sum", "dropped (task final already)"),
         ]
+        # Every batch's size summed over all workers, per second: an Average of
+        # a per-worker figure would show one worker's rate however many run.
+        inputs_per_s = cw.MathExpression(
+            expression="inputs / PERIOD(inputs)",
+            using_metrics={"inputs": worker_metric("BatchSize", "Sum")},
+            period=MINUTE,
+            label="all workers",
+        )
 
         def graph(title: str, left: list, right: list | None = None, width: int = 8) -> cw.GraphWidget:
             return cw.GraphWidget(title=title, left=left, right=right or [], width=width, height=6)
@@ -166,7 +232,8 @@ class Observability(Construct):
                 "Inference latency (ms)",
                 [worker_metric("InferenceLatency", "p50", "p50"), worker_metric("InferenceLatency", "p99", "p99")],
             ),
-            graph("Throughput (inputs/s)", [worker_metric("Throughput", "Average")]),
+            graph("Throughput (inputs/s)", [inputs_per_s],
+                  [worker_metric("Throughput", "Average", "per worker, while inferring")]),
         )
         self.dashboard.add_widgets(
             graph(

@@ -59,6 +59,7 @@ class SluiceStack(Stack):
         )
 
         functions = {"api": api.handler.function}
+        scheduled = {}  # run on a schedule: no caller sees them fail, so each alarms on its errors
         if backend == "eks":
             workers = EksWorkers(self, "Workers", config=config, image=image, storage=storage, queues=queues)
             gpu_metrics = [
@@ -76,6 +77,7 @@ class SluiceStack(Stack):
                 self, "Workers", config=config, image=image, code=code, storage=storage, queues=queues
             )
             functions["dispatcher"] = workers.dispatcher.function
+            scheduled["settler"] = workers.settler.function
             dims = {"EndpointName": workers.endpoint_name, "VariantName": VARIANT}
             gpu_metrics = [
                 cw.Metric(
@@ -97,6 +99,7 @@ class SluiceStack(Stack):
             queues=queues,
             api=api,
             functions=functions,
+            scheduled=scheduled,
             gpu_metrics=gpu_metrics,
             dashboard_name=f"{id}-{self.region}",  # dashboard names are account-wide
         )

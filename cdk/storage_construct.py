@@ -9,7 +9,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from cdk.config import SluiceConfig
-from sluice.contract import RESULTS_PREFIX
+from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
 
 
 class Storage(Construct):
@@ -57,8 +57,9 @@ class Storage(Construct):
     def grant_tasks(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.tasks.table_arn])
 
-    def grant_objects(self, grantee: iam.IGrantable, actions: list[str]) -> None:
-        iam.Grant.add_to_principal(grantee=grantee, actions=actions, resource_arns=[self.bucket.arn_for_objects("*")])
+    def grant_inputs(self, grantee: iam.IGrantable, actions: list[str]) -> None:
+        iam.Grant.add_to_principal(grantee=grantee, actions=actions,
+                                   resource_arns=[self.bucket.arn_for_objects(f"{INPUTS_PREFIX}*")])
 
     def grant_results(self, grantee: iam.IGrantable, actions: list[str]) -> None:
         iam.Grant.add_to_principal(grantee=grantee, actions=actions,

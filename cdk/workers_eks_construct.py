@@ -115,7 +115,7 @@ class EksWorkers(Construct):
         queues.grant(self.worker_role, sorted(set(access.WORKER_QUEUES + access.SETTLE_QUEUES)))
         queues.grant_dlqs(self.worker_role, access.SETTLE_DLQS)
         storage.grant_tasks(self.worker_role, sorted(set(access.WORKER_TASKS + access.SETTLE_TASKS)))
-        storage.grant_objects(self.worker_role, access.WORKER_OBJECTS)
+        storage.grant_inputs(self.worker_role, access.WORKER_INPUTS)
         storage.grant_results(self.worker_role, access.WORKER_RESULTS)
         storage.grant_bucket(self.worker_role, access.WORKER_BUCKET)
         service_account = {

@@ -137,7 +137,7 @@ class SageMakerWorkers(Construct):
         )
         fn = self.dispatcher.function
         storage.grant_tasks(fn, access.WORKER_TASKS)
-        storage.grant_objects(fn, access.WORKER_OBJECTS)
+        storage.grant_inputs(fn, access.WORKER_INPUTS)
         storage.grant_results(fn, access.WORKER_RESULTS)
         storage.grant_bucket(fn, access.WORKER_BUCKET)
         fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:InvokeEndpoint"], resources=[self.endpoint.ref]))

@@ -229,7 +229,7 @@ class Dispatcher:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
         if self.metrics:
-            self.metrics.record_outcomes(outcomes, now)
+            self.metrics.record_outcomes(outcomes, now, rejected=rejected)
 
     @staticmethod
     def _retry(retry: dict[str, str], job: Job, reason: str) -> None:

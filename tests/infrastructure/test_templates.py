@@ -515,3 +515,136 @@ def test_the_sagemaker_backend_settles_on_a_schedule(synth):
     (target,) = rule["Properties"]["Targets"]
     (fn,) = refs(target["Arn"])
     assert resources(raw, "AWS::Lambda::Function")[fn]["Properties"]["Handler"] == "lambdas.settler.handler.handler"
+
+
+# ------------------------------------------------- alarm delivery and scope
+
+
+def alarm_metrics(props: dict) -> list[tuple[str, str, dict]]:
+    """(namespace, name, dimensions) of each metric an alarm reads, in either of its forms."""
+    stats = [q["MetricStat"]["Metric"] for q in props.get("Metrics", []) if "MetricStat" in q]
+    if "MetricName" in props:
+        stats.append(props)
+    return [(m["Namespace"], m["MetricName"], {d["Name"]: d["Value"] for d in m.get("Dimensions", [])}) for m in stats]
+
+
+def test_cloudwatch_may_publish_the_alarms_to_the_topic(synth, backend):
+    # The topic's own policy (enforce_ssl) replaces SNS's default one, which let
+    # the account's principals publish: CloudWatch needs a statement of its own.
+    raw = synth.raw[backend]
+    (topic,) = resources(raw, "AWS::SNS::Topic")
+    (policy,) = resources(raw, "AWS::SNS::TopicPolicy").values()
+    assert refs(policy["Properties"]["Topics"]) == {topic}
+    account = {"Ref": "AWS::AccountId"}
+    (allow,) = [s for s in policy["Properties"]["PolicyDocument"]["Statement"] if s["Effect"] == "Allow"]
+    assert allow["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    assert as_list(allow["Action"]) == ["sns:Publish"]
+    assert refs(allow["Resource"]) == {topic}
+    assert allow["Condition"] == {
+        "StringEquals": {"aws:SourceAccount": account},
+        "ArnLike": {"aws:SourceArn": {"Fn::Join": ["", [
+            "arn:", {"Ref": "AWS::Partition"}, ":cloudwatch:", {"Ref": "AWS::Region"}, ":", account, ":alarm:*",
+        ]]}},
+    }
+    # ... and to use the topic's key, on behalf of this account only.
+    (key,) = refs(resources(raw, "AWS::SNS::Topic")[topic]["Properties"]["KmsMasterKeyId"])
+    statements = resources(raw, "AWS::KMS::Key")[key]["Properties"]["KeyPolicy"]["Statement"]
+    (for_cloudwatch,) = [s for s in statements if s["Principal"] == {"Service": "cloudwatch.amazonaws.com"}]
+    assert for_cloudwatch["Condition"] == {"StringEquals": {"aws:SourceAccount": account}}
+
+
+def test_the_latency_alarms_watch_the_submit_routes_not_the_long_polls(synth, backend):
+    # GET /v1/tasks/{id}?wait_s=N holds up to 20 s by design: a stage-wide p99 would always be over.
+    raw = synth.raw[backend]
+    (api_name,) = [a["Properties"]["Name"] for a in resources(raw, "AWS::ApiGateway::RestApi").values()]
+    ((stage, stage_res),) = resources(raw, "AWS::ApiGateway::Stage").items()
+    # Per-method metrics exist where the stage's method settings enable them: here, every method.
+    assert any(
+        s["HttpMethod"] == "*" and s["ResourcePath"] == "/*" and s["MetricsEnabled"] is True
+        for s in stage_res["Properties"]["MethodSettings"]
+    )
+    watched = set()
+    for alarm in resources(raw, "AWS::CloudWatch::Alarm").values():
+        for namespace, name, dims in alarm_metrics(alarm["Properties"]):
+            if (namespace, name) == ("AWS/ApiGateway", "Latency"):
+                assert set(dims) == {"ApiName", "Stage", "Resource", "Method"}, dims
+                assert dims["ApiName"] == api_name and refs(dims["Stage"]) == {stage}
+                watched.add(f"{dims['Method']} {dims['Resource']}")
+    assert watched == {"POST /v1/tasks", "POST /v1/tasks/batch"}
+    assert watched <= {route for route, _ in method_paths(raw).values()}
+
+
+def test_the_settler_alarms_on_its_errors_and_is_graphed_beside_the_dispatcher(synth):
+    raw = synth.raw["sagemaker"]
+    functions = resources(raw, "AWS::Lambda::Function")
+    (settler,) = [k for k, f in functions.items() if f["Properties"].get("Handler") == "lambdas.settler.handler.handler"]
+    (dispatcher,) = [k for k, f in functions.items()
+                     if f["Properties"].get("Handler") == "lambdas.dispatcher.handler.handler"]
+    (topic,) = resources(raw, "AWS::SNS::Topic")
+    (alarm,) = [a["Properties"] for a in resources(raw, "AWS::CloudWatch::Alarm").values()
+                if ("AWS/Lambda", "Errors", {"FunctionName": {"Ref": settler}}) in alarm_metrics(a["Properties"])]
+    # At least one error in each of 3 five-minute periods running; no runs, no alarm.
+    assert (alarm["Statistic"], alarm["Period"]) == ("Sum", 300)
+    assert (alarm["ComparisonOperator"], alarm["Threshold"]) == ("GreaterThanThreshold", 0)
+    assert alarm["EvaluationPeriods"] == alarm.get("DatapointsToAlarm", 3) == 3
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert refs(alarm["AlarmActions"]) == refs(alarm["OKActions"]) == {topic}
+    (dashboard,) = resources(raw, "AWS::CloudWatch::Dashboard").values()
+    assert {settler, dispatcher} <= refs(dashboard["Properties"]["DashboardBody"])
+
+
+# ------------------------------------------------------- payload prefixes
+
+
+def arn_text(value) -> str:
+    """An ARN expression as text, each resource attribute written <LogicalId>."""
+    if isinstance(value, str):
+        return value
+    if "Fn::GetAtt" in value:
+        return f"<{value['Fn::GetAtt'][0]}>"
+    if "Fn::Join" in value:
+        return value["Fn::Join"][0].join(arn_text(part) for part in value["Fn::Join"][1])
+    if "Ref" in value:
+        return f"<{value['Ref']}>"
+    raise AssertionError(f"unexpected ARN expression {value}")
+
+
+def s3_grants(raw: dict) -> dict[str, dict[str, set[str]]]:
+    """{role: {S3 action: resources}} over every role's policies."""
+    grants: dict[str, dict[str, set[str]]] = {}
+    for res in resources(raw, "AWS::IAM::Policy").values():
+        for s in res["Properties"]["PolicyDocument"]["Statement"]:
+            actions = [a for a in as_list(s["Action"]) if a.startswith("s3:")]
+            if not actions or s["Effect"] != "Allow":
+                continue
+            for role in refs(res["Properties"]["Roles"]):
+                for a in actions:
+                    grants.setdefault(role, {}).setdefault(a, set()).update(arn_text(r) for r in as_list(s["Resource"]))
+    return grants
+
+
+def test_payload_grants_are_scoped_to_the_prefixes_each_principal_uses(synth, backend):
+    # The API (internet-facing) writes claim-checked inputs and signs result URLs;
+    # workers read inputs and write (or delete their own) results. Nobody else
+    # touches the bucket, and nobody gets an action on the other prefix.
+    from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
+
+    raw = synth.raw[backend]
+    functions = resources(raw, "AWS::Lambda::Function").values()
+    (api_fn,) = [f for f in functions if f["Properties"].get("Handler") == "lambdas.api.handler.handler"]
+    (bucket,) = refs(api_fn["Properties"]["Environment"]["Variables"]["SLUICE_BUCKET"])
+    inputs, results = f"<{bucket}>/{INPUTS_PREFIX}*", f"<{bucket}>/{RESULTS_PREFIX}*"
+    api = function_role(raw, "lambdas.api.handler.handler")
+    if backend == "sagemaker":
+        worker = function_role(raw, "lambdas.dispatcher.handler.handler")
+    else:
+        (worker,) = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
+    assert s3_grants(raw) == {
+        api: {"s3:PutObject": {inputs}, "s3:GetObject": {results}, "s3:ListBucket": {f"<{bucket}>"}},
+        worker: {
+            "s3:GetObject": {inputs},
+            "s3:PutObject": {results},
+            "s3:DeleteObject": {results},
+            "s3:ListBucket": {f"<{bucket}>"},
+        },
+    }

@@ -8,15 +8,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import sluice.worker.metrics as worker_metrics
 from sluice.worker.metrics import DIMENSIONS, METRICS, NAMESPACE, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_METRICS = {"GpuUtilization", "GpuMemoryUsed"}
+DIMENSIONS_ROW = [part for item in DIMENSIONS.items() for part in item]  # as a dashboard row names them
 
 
 def fake_torch(cuda: bool):
@@ -26,21 +29,40 @@ def fake_torch(cuda: bool):
         is_available=lambda: cuda, memory_allocated=lambda: 3 * 2**20, utilization=lambda: 42))
 
 
-def emitted(capsys, monkeypatch, cuda: bool) -> dict:
-    """The one EMF document a worker prints for a batch of 8 inputs (12 ms)
-    with two tasks succeeded and one failed attempt."""
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+def outcome(task_id: str, error: str | None = None):
+    """What WorkerMetrics reads of a lifecycle.Outcome."""
+    return SimpleNamespace(job=SimpleNamespace(message=SimpleNamespace(task_id=task_id)), error=error)
+
+
+def fresh_metrics(capsys, monkeypatch) -> WorkerMetrics:
     monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
     metrics = WorkerMetrics()
     metrics._metrics.clear_metrics()  # Powertools shares its metric set across instances: start from none
     capsys.readouterr()
+    return metrics
+
+
+def printed(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def values(emf: dict, name: str) -> list:
+    return emf[name] if isinstance(emf[name], list) else [emf[name]]
+
+
+def emitted(capsys, monkeypatch, cuda: bool) -> dict:
+    """The one EMF document a worker prints for a batch of 8 inputs (12 ms)
+    with two tasks succeeded, one failed attempt and one outcome whose write
+    was rejected."""
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+    metrics = fresh_metrics(capsys, monkeypatch)
     metrics.record_batch(8, 12)
-    metrics.record_outcomes([SimpleNamespace(error=None), SimpleNamespace(error=None),
-                             SimpleNamespace(error="RuntimeError: boom")], 0)
+    metrics.record_outcomes([outcome("a"), outcome("b"), outcome("c", "RuntimeError: boom"), outcome("d")], 0,
+                            rejected={"d"})
     metrics.flush()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    lines = printed(capsys)
     assert len(lines) == 1, lines
-    return json.loads(lines[0])
+    return lines[0]
 
 
 def test_a_gpu_worker_prints_every_metric_in_the_namespace_and_dimension(capsys, monkeypatch):
@@ -52,16 +74,14 @@ def test_a_gpu_worker_prints_every_metric_in_the_namespace_and_dimension(capsys,
     units = {m["Name"]: m["Unit"] for m in directive["Metrics"]}
     assert units == {
         "BatchSize": "Count", "InferenceLatency": "Milliseconds", "Throughput": "Count/Second",
-        "TasksSucceeded": "Count", "TaskAttemptsFailed": "Count", "GpuUtilization": "Percent",
-        "GpuMemoryUsed": "Megabytes",
+        "TasksSucceeded": "Count", "TaskAttemptsFailed": "Count", "TaskAttemptsDropped": "Count",
+        "GpuUtilization": "Percent", "GpuMemoryUsed": "Megabytes",
     }
     assert set(units) == set(METRICS)  # what the dashboard may use is what a worker prints
-    values = {name: emf[name] if isinstance(emf[name], list) else [emf[name]] for name in units}
-    assert {name: v for name, v in values.items() if name != "Throughput"} == {
-        "BatchSize": [8], "InferenceLatency": [12], "TasksSucceeded": [1, 1], "TaskAttemptsFailed": [1],
-        "GpuUtilization": [42], "GpuMemoryUsed": [3.0],
+    assert {name: values(emf, name) for name in units} == {
+        "BatchSize": [8], "InferenceLatency": [12], "Throughput": [8 / 0.012], "TasksSucceeded": [1, 1],
+        "TaskAttemptsFailed": [1], "TaskAttemptsDropped": [1], "GpuUtilization": [42], "GpuMemoryUsed": [3.0],
     }
-    assert len(values["Throughput"]) == 1 and values["Throughput"][0] > 0
 
 
 def test_a_worker_without_a_gpu_prints_no_gpu_figures(capsys, monkeypatch):
@@ -70,10 +90,66 @@ def test_a_worker_without_a_gpu_prints_no_gpu_figures(capsys, monkeypatch):
     assert {m["Name"] for m in directive["Metrics"]} == set(METRICS) - GPU_METRICS
 
 
-def _dashboard_and_alarm_metrics() -> list[tuple[str, str, dict]]:
-    """(namespace, name, dimensions) of every metric the Observability
-    construct graphs or alarms on, synthesized in a stack of its own (queues
-    real, the API stage's metrics stand-ins)."""
+def test_an_outcome_whose_write_was_rejected_is_no_success_or_failure(capsys, monkeypatch):
+    # The task was cancelled meanwhile, or another delivery recorded it first:
+    # what stands is that other outcome, counted where it was written.
+    metrics = fresh_metrics(capsys, monkeypatch)
+    metrics.record_outcomes([outcome("won"), outcome("cancelled"), outcome("lost", "RuntimeError: boom"),
+                             outcome("failed", "RuntimeError: boom")], 0, rejected={"cancelled", "lost"})
+    metrics.flush()
+    [emf] = printed(capsys)
+    assert values(emf, "TasksSucceeded") == [1]
+    assert values(emf, "TaskAttemptsFailed") == [1]
+    assert values(emf, "TaskAttemptsDropped") == [1, 1]
+
+
+def test_throughput_is_over_the_time_spent_inferring_not_the_time_since_the_last_flush(capsys, monkeypatch):
+    now = [1000.0]  # a monotonic clock the test moves: the worker then idles a minute
+    monkeypatch.setattr(worker_metrics, "time", SimpleNamespace(monotonic=lambda: now[0]), raising=False)
+    metrics = fresh_metrics(capsys, monkeypatch)
+    metrics.record_batch(8, 100)
+    metrics.record_batch(12, 100)
+    now[0] += 60
+    metrics.flush()
+    [emf] = printed(capsys)
+    assert values(emf, "Throughput") == [pytest.approx(100.0)]  # 20 inputs in 0.2 s of inference
+
+
+def test_a_started_worker_publishes_a_burst_without_waiting_for_another_task(capsys, monkeypatch):
+    metrics = fresh_metrics(capsys, monkeypatch)
+    published = threading.Event()
+    flush_metrics = metrics._metrics.flush_metrics
+
+    def flush_and_tell(**kwargs):
+        flush_metrics(**kwargs)
+        published.set()
+
+    monkeypatch.setattr(metrics._metrics, "flush_metrics", flush_and_tell)
+    metrics.record_batch(8, 12)
+    metrics.record_outcomes([outcome("a")], 0)  # the burst's last task: nothing follows it
+    metrics.start(interval_s=0.01)
+    try:
+        assert published.wait(timeout=10), "the timer published nothing"
+    finally:
+        metrics.stop()
+    [emf] = printed(capsys)
+    assert values(emf, "BatchSize") == [8] and values(emf, "TasksSucceeded") == [1]
+
+
+def test_stopping_ends_the_timer_at_once_and_publishes_what_it_had_not(capsys, monkeypatch):
+    metrics = fresh_metrics(capsys, monkeypatch)
+    metrics.start(interval_s=3600)
+    metrics.record_outcomes([outcome("a")], 0)
+    metrics.stop(timeout_s=10)  # a worker's shutdown must not wait out the interval
+    assert "sluice-metrics" not in {t.name for t in threading.enumerate()}
+    [emf] = printed(capsys)
+    assert values(emf, "TasksSucceeded") == [1]
+
+
+def _synth_observability() -> tuple[list[dict], list[dict]]:
+    """The Observability construct's resources and its dashboard's widgets,
+    synthesized in a stack of its own (queues real, the API stage's metrics
+    stand-ins)."""
     cdk = pytest.importorskip("aws_cdk")
     from aws_cdk import aws_cloudwatch as cw
     from aws_cdk import aws_sqs as sqs
@@ -90,14 +166,20 @@ def _dashboard_and_alarm_metrics() -> list[tuple[str, str, dict]]:
                              dlqs={p: sqs.Queue(stack, f"Dlq{p}") for p in PRIORITIES})
     Observability(stack, "Observability", config=SluiceConfig(), queues=queues, api=SimpleNamespace(stage=stage),
                   functions={}, gpu_metrics=[], dashboard_name="probe")
-    resources = Template.from_stack(stack).to_json()["Resources"].values()
-
-    found = []
+    resources = list(Template.from_stack(stack).to_json()["Resources"].values())
     [dashboard] = [r for r in resources if r["Type"] == "AWS::CloudWatch::Dashboard"]
     body = dashboard["Properties"]["DashboardBody"]
     parts = body["Fn::Join"][1] if isinstance(body, dict) else [body]
     text = "".join(p if isinstance(p, str) else "TOKEN" for p in parts)  # references (queue names) as placeholders
-    for widget in json.loads(text)["widgets"]:
+    return resources, json.loads(text)["widgets"]
+
+
+def _dashboard_and_alarm_metrics() -> list[tuple[str, str, dict]]:
+    """(namespace, name, dimensions) of every metric the Observability
+    construct graphs or alarms on."""
+    resources, widgets = _synth_observability()
+    found = []
+    for widget in widgets:
         for row in widget["properties"].get("metrics", []):
             fields = [f for f in row if not isinstance(f, dict)]  # the options last; math expressions have none
             if fields:
@@ -121,6 +203,25 @@ def test_the_dashboard_reads_the_workers_metrics_where_they_land():
     assert {namespace for namespace, _, _ in ours} == {NAMESPACE}
     assert all(dims == DIMENSIONS for _, _, dims in ours), ours
     assert {name for _, name, _ in ours} == set(METRICS)  # every one it prints, and nothing else
+
+
+def test_the_dashboard_shows_the_inputs_per_second_of_all_workers_together():
+    pytest.importorskip("aws_cdk")
+    _, widgets = _synth_observability()
+    [throughput] = [w["properties"] for w in widgets if w["properties"].get("title") == "Throughput (inputs/s)"]
+    rows = throughput["metrics"]
+    expressions = [row[0] for row in rows if len(row) == 1 and "expression" in row[0]]
+    hidden = {row[-1]["id"]: row[:-1] + [row[-1].get("stat")] for row in rows
+              if isinstance(row[-1], dict) and "id" in row[-1] and row[-1].get("visible") is False}
+    # A Sum over every worker's batches, per second of the period: eight
+    # workers show eight times one worker's rate, an idle minute shows 0.
+    [total] = [e for e in expressions if e.get("yAxis", "left") == "left"]
+    assert total["expression"].replace(" ", "") == "inputs/PERIOD(inputs)"
+    assert hidden["inputs"] == [NAMESPACE, "BatchSize", *DIMENSIONS_ROW, "Sum"]
+    # A per-worker figure may only be averaged, and on its own axis.
+    averaged = [row for row in rows if row[:2] == [NAMESPACE, "Throughput"]]
+    assert averaged and all(row[-1].get("stat") in (None, "Average") and row[-1].get("yAxis") == "right"
+                            for row in averaged)
 
 
 def test_a_dashboard_metric_the_workers_do_not_print_fails_the_synth():
