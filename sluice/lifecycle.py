@@ -18,7 +18,9 @@ Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
 dropped). Results go inline when small and through S3 when large, under a key
 of their own run's, so a run that loses the write never replaces the object
-the record names (write_outcomes deletes the loser's). A failure
+the record names (write_outcomes deletes the loser's). A result that cannot
+be uploaded is its own task's failed attempt (`result_not_stored`), never the
+batch's: the other outcomes are written all the same. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
 next receive then moves it to the dead-letter queue. A permanent failure (an
@@ -187,6 +189,8 @@ class Upload:
 
 @dataclass
 class OutcomePlan:
+    now: int
+    max_attempts: int
     changes: list[Change] = field(default_factory=list)
     uploads: list[Upload] = field(default_factory=list)
     succeeded: list[Outcome] = field(default_factory=list)
@@ -198,19 +202,16 @@ class OutcomePlan:
 
 
 def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> OutcomePlan:
-    plan = OutcomePlan()
+    plan = OutcomePlan(now, settings.max_attempts)
     for o in outcomes:
         task_id = o.job.message.task_id
-        started: dict[str, Any] = {"started_at": o.job.started_at or now, "attempts": o.job.attempts}
-        if o.model_version:
-            started["model_version"] = o.model_version
         if o.error is None:
             values: dict[str, Any] = {
                 "status": TaskStatus.succeeded.value,
                 "finished_at": now,
                 "inference_ms": o.inference_ms,
                 "batch_size": o.batch_size,
-                **started,
+                **_started(o, now),
             }
             # pydantic-core's encoder: the same JSON values as json.dumps at a
             # sixth of the CPU (0.025 against 0.14 ms for 384 floats), which
@@ -225,22 +226,51 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
             plan.changes.append(Change(task_id, values, _QUEUED, remove=("error_code", "error_message")))
             plan.succeeded.append(o)
             continue
-        values = {"error_code": o.error_code, "error_message": o.error[:_ERROR_CHARS], **started}
-        if o.permanent or o.job.attempts >= settings.max_attempts:
-            values.update(status=TaskStatus.failed.value, finished_at=now)
-            (plan.unrunnable if o.permanent else plan.failed).append(o)
-        else:
-            plan.retry.append(o)
-        plan.changes.append(Change(task_id, values, _QUEUED))
+        _plan_error(plan, o)
     return plan
+
+
+def _started(o: Outcome, now: int) -> dict[str, Any]:
+    started: dict[str, Any] = {"started_at": o.job.started_at or now, "attempts": o.job.attempts}
+    if o.model_version:
+        started["model_version"] = o.model_version
+    return started
+
+
+def _plan_error(plan: OutcomePlan, o: Outcome) -> None:
+    values = {"error_code": o.error_code, "error_message": o.error[:_ERROR_CHARS], **_started(o, plan.now)}
+    if o.permanent or o.job.attempts >= plan.max_attempts:
+        values.update(status=TaskStatus.failed.value, finished_at=plan.now)
+        (plan.unrunnable if o.permanent else plan.failed).append(o)
+    else:
+        plan.retry.append(o)
+    plan.changes.append(Change(o.job.message.task_id, values, _QUEUED))
+
+
+RESULT_NOT_STORED = "result_not_stored"
 
 
 def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> set[str]:
     """Upload the plan's large results, then write its outcomes. Returns the ids
     of the tasks whose write was rejected: final already (another delivery
     finished it, or it was cancelled or expired meanwhile), which stands. A
-    rejected outcome's upload is deleted; it was under its own run's key."""
-    list(pool.map(lambda u: payloads.put_json(u.key, u.body), plan.uploads))
+    rejected outcome's upload is deleted; it was under its own run's key.
+
+    Each upload stands alone: a task whose result could not be stored is moved
+    in the plan from `succeeded` to `retry` (or `failed` on its last attempt),
+    and the rest of the batch's outcomes are written all the same."""
+
+    def put(upload: Upload) -> str | None:
+        try:
+            payloads.put_json(upload.key, upload.body)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this task's attempt only
+            log.warning("could not store the result of task %s: %s", upload.task_id, type(exc).__name__)
+            return _describe(exc)
+        return None
+
+    unstored = {u.task_id: why for u, why in zip(plan.uploads, list(pool.map(put, plan.uploads))) if why}
+    if unstored:
+        _retry_unstored(plan, unstored)
     rejected = store.apply_many(plan.changes) if plan.changes else set()
     for upload in plan.uploads:
         if upload.task_id in rejected:
@@ -249,3 +279,24 @@ def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, 
             except (BotoCoreError, ClientError) as exc:  # the bucket's expiry rule removes it later
                 log.warning("could not delete a dropped result %s: %s", upload.key, type(exc).__name__)
     return rejected
+
+
+def _retry_unstored(plan: OutcomePlan, unstored: dict[str, str]) -> None:
+    """The model ran, so this is a failed attempt like a model error: its
+    attempt is recorded (settling counts it) and it is retried, the result
+    being lost with it. A plan holds one change per task, so a task id names it."""
+    lost = [o for o in plan.succeeded if o.job.message.task_id in unstored]
+    plan.succeeded = [o for o in plan.succeeded if o.job.message.task_id not in unstored]
+    plan.uploads = [u for u in plan.uploads if u.task_id not in unstored]
+    plan.changes = [c for c in plan.changes if c.task_id not in unstored]
+    for o in lost:
+        why = unstored[o.job.message.task_id]
+        _plan_error(plan, Outcome(o.job, error=f"result could not be stored: {why}", error_code=RESULT_NOT_STORED,
+                                  model_version=o.model_version))
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        return f"{error.get('Code') or 'ClientError'}: {error.get('Message', '')}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,7 +1,7 @@
 """The worker process: receivers -> prefetch buffer -> batch pipeline.
 
-On SIGTERM it stops receiving, finishes the batches in hand, hands back the
-messages it had prefetched (visibility 0) and exits 0.
+On SIGTERM it stops receiving, hands back at once the messages it had
+prefetched (visibility 0), finishes the batch in inference and exits 0.
 """
 
 from __future__ import annotations
@@ -128,13 +128,14 @@ class Worker:
             t.start()
         heartbeat.start()
         dead.start()
+        self.metrics.start()
         log.info("worker ready", extra={"pid": os.getpid(), "models": list(self.runner.models)})
         self.pipeline.run()  # returns once stopping is set and the batches in hand are done
         for t in receivers:
             t.join(timeout=self.settings.receive_wait_s + 5)
         self._give_back(self.buffer.close())
         self._done.set()
-        self.metrics.flush()
+        self.metrics.stop()  # publishes what is left
         return 0
 
     def stop(self, *_):
@@ -142,6 +143,10 @@ class Worker:
             log.info("stopping: finishing the batch in hand")
             self.stopping.set()
             self.pipeline.stopping.set()
+            # Not in the signal handler itself: the main thread may hold the
+            # buffer's or the heartbeat's lock right where the signal landed.
+            threading.Thread(target=lambda: self._give_back(self.buffer.close()), name="sluice-stop",
+                             daemon=True).start()
 
 
 def main() -> int:

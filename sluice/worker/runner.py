@@ -52,8 +52,10 @@ class BatchRunner:
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluice-io")
 
     # ------------------------------------------------------------- prepare
-    def prepare(self, batch: list[Received]) -> Prepared:
+    def prepare(self, batch: list[Received], release=None) -> Prepared:
+        """`release` is told which messages go back unclaimed, as in finish."""
         ack: list[Received] = []
+        unserved: dict[str, list[Received]] = {}  # by model
         jobs: dict[str, Job] = {}
         for received in batch:
             try:
@@ -62,16 +64,41 @@ class BatchRunner:
                 log.error("dropping a message that is not a task", extra={"message_id": received.message_id})
                 ack.append(received)
                 continue
+            if message.model not in self.models:
+                unserved.setdefault(message.model, []).append(received)
+                continue
             if message.task_id in jobs:  # the same task delivered twice into one batch
                 jobs[message.task_id].deliveries.append(received)
             else:
                 jobs[message.task_id] = Job(message, [received])
+        if unserved:
+            self._hand_back_unserved(unserved, release)
 
         claimed = claim(self.store, list(jobs.values()), now_ms())
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
         runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
         return Prepared(runnable, ack, unreadable)
+
+    def _hand_back_unserved(self, unserved: dict[str, list[Received]], release) -> None:
+        """The API and the workers read SLUICE_MODELS apart: in a rolling deploy
+        an API may take a model minutes before this worker serves it. That is
+        no attempt of the task, so nothing is written (no start, no error),
+        and the message goes back for a worker that serves the model.
+        Each hand-back still counts a receive, so the message may reach the
+        DLQ; settling (sluice.dlq) requeues a task with no recorded start."""
+        # Hidden a while, not at once: workers without the model would take it
+        # straight back, spending a receive each time.
+        delay_s = min(30, max(1, self.settings.visibility_timeout_s // 4))
+        messages = [m for group in unserved.values() for m in group]
+        log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
+                    len(messages), ", ".join(sorted(unserved)), delay_s)
+        if release:
+            release(messages)
+        try:
+            self.queues.change_visibility_many(messages, delay_s)
+        except Exception as exc:  # they come back after their visibility timeout anyway
+            log.warning("could not hand back %d messages: %s", len(messages), type(exc).__name__)
 
     # --------------------------------------------------------------- infer
     def infer(self, jobs: list[Job]) -> list[Outcome]:
@@ -86,11 +113,7 @@ class BatchRunner:
         for job in jobs:
             by_model.setdefault(job.message.model, []).append(job)
         for name, group in by_model.items():
-            model = self.models.get(name)
-            if model is None:
-                outcomes += [Outcome(j, error=f"model {name!r} is not served by this worker") for j in group]
-                continue
-            outcomes += self._run_isolating(model, group)
+            outcomes += self._run_isolating(self.models[name], group)  # prepare handed back the others
         return outcomes
 
     def _run_isolating(self, model, jobs: list[Job]) -> list[Outcome]:
@@ -107,7 +130,7 @@ class BatchRunner:
         outputs: list[Any] = []
         for i in range(0, len(flat), limit):
             outputs += model.predict_batch(flat[i : i + limit])
-        elapsed_ms = int((time.perf_counter() - started) * 1000)
+        elapsed_ms = (time.perf_counter() - started) * 1000
         if len(outputs) != len(flat):
             raise RuntimeError(f"model returned {len(outputs)} outputs for {len(flat)} inputs")
         outcomes, offset = [], 0
@@ -117,7 +140,7 @@ class BatchRunner:
                 Outcome(
                     job,
                     result=model.result_for_task(outputs[offset : offset + n]),
-                    inference_ms=elapsed_ms,
+                    inference_ms=int(elapsed_ms),
                     batch_size=len(flat),
                     model_version=model.version,
                 )
@@ -154,8 +177,8 @@ class BatchRunner:
         if to_retry:
             backoff_s = min(30, 2 ** max(o.job.attempts for o in retry))
             self.queues.change_visibility_many(to_retry, backoff_s)
-        if self.metrics:
-            self.metrics.record_outcomes(outcomes, now)
+        if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
+            self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
 
 
 def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
@@ -212,7 +235,7 @@ class Pipeline:
             if not batch:
                 continue
             try:
-                prepared = self.runner.prepare(batch)
+                prepared = self.runner.prepare(batch, self.on_done)
                 backoff = 0.1
             except Exception:
                 # A dependency is down: the messages come back after their

@@ -63,3 +63,31 @@ def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
              or len(back) == 6, 10, "the six other tasks visible again")
     assert back == set(ids) - set(done)
+
+
+def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(settings):
+    # A slow batch must not keep the buffer's messages (a high task among them,
+    # say) hidden until it ends, or past the pod's grace period.
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0})
+    service = TaskService(settings)
+    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
+           for i in range(8)]
+    model = GatedModel()
+    worker = Worker(settings, {"synthetic": model})
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    queues, back = PriorityQueues(settings), set()
+    try:
+        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+        # 8 tasks: 2 in inference, 2 prepared, 2 more prepared and waiting to be handed on, 2 in the buffer.
+        wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
+                 "batches prepared behind the model and two tasks left in the buffer")
+        buffered = {m.task().task_id for m in worker.buffer.snapshot()}
+        worker.stop()
+        wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
+                 or buffered <= back, 10, "the buffered tasks visible again while the model is held")
+        assert model.inferring.is_set() and not model.go.is_set()
+    finally:
+        model.go.set()
+        thread.join(20)
+    assert not thread.is_alive()

@@ -1,0 +1,122 @@
+"""The batch runner on the emulator: a task that cannot finish here fails (or
+leaves) alone, and the rest of its batch is recorded."""
+
+import json
+import logging
+import time
+
+from botocore.exceptions import ClientError
+from fastapi.testclient import TestClient
+
+from sluice.adapters.payload_store import PayloadStore
+from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import TaskStore
+from sluice.api.app import create_app
+from sluice.contract import Priority
+from tests.integration.test_worker_runner import receive_all, run_once, submit
+from tests.reliability.harness import wait_until
+
+
+def task_ids(messages):
+    return [json.loads(m.body)["task_id"] for m in messages]
+
+
+def spy_visibility(runner):
+    """Each visibility change the runner makes: (task ids, timeout_s, when)."""
+    changes = []
+    change_visibility = runner.queues.change_visibility_many
+
+    def timed_change(messages, timeout_s):
+        changes.append((task_ids(messages), timeout_s, time.monotonic()))
+        change_visibility(messages, timeout_s)
+
+    runner.queues.change_visibility_many = timed_change
+    return changes
+
+
+def receive_again(settings, task_id, hidden_at, hidden_s):
+    """The message of `task_id`, hidden at `hidden_at` for `hidden_s`: not
+    receivable before that (checked only while the backoff surely runs), then
+    receivable again."""
+    queues = PriorityQueues(settings)
+    early = queues.receive(Priority.normal, 10, 0, 30)
+    if time.monotonic() - hidden_at < hidden_s:
+        assert early == [], "the message was visible before its delay ended"
+    got = early or wait_until(lambda: queues.receive(Priority.normal, 10, 1, 30), hidden_s + 15,
+                              f"task {task_id}'s message to be visible again")
+    assert task_ids(got) == [task_id]
+    return got[0]
+
+
+def test_a_result_that_cannot_be_stored_fails_only_its_own_attempt(api, settings, runner):
+    settings.inline_result_max_bytes = 300  # the runner shares this settings object
+    big = api.post("/v1/tasks", json={"model": "synthetic", "inputs": [f"in {i}" for i in range(8)]},
+                   headers={"x-api-key": api.key_a}).json()["task_id"]
+    small = submit(api, "inline")
+    refused = submit(api, "x !fail")
+    # S3 refuses this one task's result object, whatever the SDK's retries did.
+    put_json = runner.payloads.put_json
+
+    def slow_down(key, body):
+        if f"/{big}/" in key:
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}},
+                              "PutObject")
+        put_json(key, body)
+
+    runner.payloads.put_json = slow_down
+    changes = spy_visibility(runner)
+    run_once(runner, receive_all(settings, 3))
+
+    store = TaskStore(settings)
+    done = store.get(small)
+    assert (done.status.value, done.attempts) == ("succeeded", 1) and done.result_json
+    failed = store.get(refused)
+    assert (failed.status.value, failed.error_code) == ("failed", "invalid_input")
+    # The model ran: a failed attempt, recorded and retried like a model error.
+    lost = store.get(big)
+    assert (lost.status.value, lost.attempts, lost.result_key) == ("queued", 1, None), lost
+    assert lost.started_at and lost.error_code == "result_not_stored" and "SlowDown" in lost.error_message
+    assert [(ids, timeout_s) for ids, timeout_s, _ in changes] == [([big], 2)]  # the first retry's backoff
+    # The others' messages are deleted; the lost one's comes back after its backoff.
+    again = receive_again(settings, big, changes[0][2], 2)
+    assert again.receive_count == 2
+
+    runner.payloads.put_json = put_json  # S3 is back
+    run_once(runner, [again])
+    record = store.get(big)
+    assert (record.status.value, record.error_code) == ("succeeded", None) and record.result_key
+    assert len(PayloadStore(settings).get_json(record.result_key)["outputs"]) == 8
+    assert receive_all(settings, 1) == []
+
+
+def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
+        api, settings, runner, caplog):
+    # A rolling deploy: the API already takes minilm-embed, this worker serves only synthetic.
+    newer = TestClient(create_app(settings.model_copy(update={"models": "synthetic,minilm-embed"})),
+                       raise_server_exceptions=False)
+    served = [submit(api, f"ok{i}") for i in range(2)]
+    elsewhere = newer.post("/v1/tasks", json={"model": "minilm-embed", "inputs": ["not here"]},
+                           headers={"x-api-key": api.key_a}).json()["task_id"]
+    settings.visibility_timeout_s = 4  # its hand-back delay is a quarter of it: 1 s
+    changes = spy_visibility(runner)
+    batch = receive_all(settings, 3)
+    with caplog.at_level(logging.WARNING, logger="sluice.worker"):
+        prepared = run_once(runner, batch)
+
+    store = TaskStore(settings)
+    assert all(store.get(t).status.value == "succeeded" for t in served)
+    record = store.get(elsewhere)  # no table write: no start, no error, no attempt
+    assert (record.status.value, record.attempts, record.started_at, record.error_code) == ("queued", 0, None, None)
+    assert [j.message.task_id for j in prepared.jobs] == [t for t in task_ids(batch) if t != elsewhere]
+    assert [(ids, timeout_s) for ids, timeout_s, _ in changes] == [([elsewhere], 1)]
+    warnings = [r for r in caplog.records if "does not serve" in r.getMessage()]
+    assert len(warnings) == 1 and "minilm-embed" in warnings[0].getMessage()
+    # Neither deleted nor failed: receivable again, by a worker that serves it perhaps.
+    again = receive_again(settings, elsewhere, changes[0][2], 1)
+    assert again.receive_count == 2
+
+    # Handed back again, released first so that no heartbeat extends it past its delay.
+    released = []
+    assert runner.prepare([again], released.extend).jobs == []
+    assert released == [again] and changes[-1][:2] == ([elsewhere], 1)
+    assert store.get(elsewhere).attempts == 0
