@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(default=60, ge=1, le=12 * 3600)  # SQS's limits
     max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
     receive_wait_s: int = Field(default=1, ge=0, le=20)  # SQS's long-poll limits
+    inference_timeout_s: int = Field(default=900, ge=1, description="A batch in inference longer than this ends "
+                                     "the worker (exit 70), handing back what it holds: a hung GPU must not keep "
+                                     "its messages hidden for ever behind the heartbeat.")
     # A typo ("gpu") must stop a worker, not run it on the CPU unnoticed.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(default=0, ge=0)

@@ -45,6 +45,7 @@ class Worker:
         # backoff, 0 for the DLQ or a hand-back) is the last one to land.
         self._extending = threading.Lock()
         self.pipeline = Pipeline(self.runner, self._take_batch, self._release, self._give_back)
+        self.exit = os._exit  # the watchdog's way out (a test stands in for it)
 
     # ----------------------------------------------------------- receiving
     def _receive_loop(self, priority: Priority) -> None:
@@ -114,6 +115,24 @@ class Worker:
                 except Exception as exc:
                     log.warning("visibility extension failed: %s", exc)
 
+    # ------------------------------------------------------------ watchdog
+    def _watchdog_loop(self) -> None:
+        limit = self.settings.inference_timeout_s
+        while not self._done.wait(min(5.0, limit / 2)):
+            since = self.pipeline.inferring_since
+            if since is not None and time.monotonic() - since > limit:
+                # A hung kernel does not come back, and the heartbeat would keep
+                # this batch and every prefetched message hidden for ever. They go
+                # back now; the orchestrator restarts the worker. A batch that
+                # hangs every worker reaches the DLQ by its receive count.
+                log.error("a batch has been in inference for over %d s (SLUICE_INFERENCE_TIMEOUT_S): handing "
+                          "back the messages held and exiting", limit)
+                with self._held_lock:
+                    held = list(self._held.values())
+                self._give_back(held)
+                self.exit(70)
+                return
+
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         receivers = [
@@ -121,12 +140,14 @@ class Worker:
             for p in Priority
         ]
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="sluice-heartbeat", daemon=True)
+        watchdog = threading.Thread(target=self._watchdog_loop, name="sluice-watchdog", daemon=True)
         # Gives an outcome to tasks whose message was dead-lettered without one (sluice/dlq.py).
         dead = threading.Thread(target=settle_loop, args=(self.queues, self.runner.store, self.settings.max_attempts,
                                                           self._done), name="sluice-dlq", daemon=True)
         for t in receivers:
             t.start()
         heartbeat.start()
+        watchdog.start()
         dead.start()
         self.metrics.start()
         log.info("worker ready", extra={"pid": os.getpid(), "models": list(self.runner.models)})

@@ -201,6 +201,7 @@ class Pipeline:
         self._finished: queue.Queue = queue.Queue(maxsize=2)
         self.stopping = threading.Event()
         self.failures = 0
+        self.inferring_since: float | None = None  # time.monotonic() when the batch in inference began
 
     def run(self) -> None:
         preparer = threading.Thread(target=self._prepare_loop, name="sluice-prepare", daemon=True)
@@ -217,12 +218,15 @@ class Pipeline:
                 # the ones prepared behind it go back rather than run after it.
                 self.give_back(batch)
                 continue
+            self.inferring_since = time.monotonic()
             try:
                 outcomes = self.runner.infer(prepared.jobs)
             except Exception:
                 log.exception("inference stage failed; messages will be redelivered")
                 self.on_done(batch)
                 continue
+            finally:
+                self.inferring_since = None
             self._finished.put((batch, prepared, outcomes))
         self._finished.put(None)
         finisher.join()

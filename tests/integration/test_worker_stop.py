@@ -91,3 +91,31 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
         model.go.set()
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_comes_back(settings):
+    # A hung GPU kernel: the heartbeat would keep the batch, and the batches and
+    # messages behind it, hidden for as long as the process lived.
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "inference_timeout_s": 1})
+    service = TaskService(settings)
+    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
+           for i in range(6)]
+    model = GatedModel()
+    worker = Worker(settings, {"synthetic": model})
+    exited = []
+    worker.exit = exited.append  # stands in for os._exit
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    queues, back = PriorityQueues(settings), set()
+    try:
+        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+        wait_for(lambda: exited, 15, "the worker giving up on the stuck batch")
+        assert exited == [70]
+        # Back now, not after their visibility timeout (30 s): the one in inference too.
+        wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
+                 or back == set(ids), 10, "every task visible again")
+    finally:
+        model.go.set()
+        worker.stop()
+        thread.join(20)
+    assert not thread.is_alive()
