@@ -67,6 +67,9 @@ class Job:
         return max(d.receive_count for d in self.deliveries)
 
 
+MODEL_ERROR = "model_error"  # this attempt's crash: retried
+
+
 @dataclass
 class Outcome:
     job: Job
@@ -75,7 +78,7 @@ class Outcome:
     inference_ms: int = 0
     batch_size: int = 0
     model_version: str | None = None
-    error_code: str = "model_error"
+    error_code: str = MODEL_ERROR
     permanent: bool = False  # no other attempt can succeed: failed now, whatever attempts remain
 
 

@@ -1,7 +1,9 @@
 """The worker process: receivers -> prefetch buffer -> batch pipeline.
 
 On SIGTERM it stops receiving, hands back at once the messages it had
-prefetched (visibility 0), finishes the batch in inference and exits 0.
+prefetched (visibility 0), finishes the batch in inference and exits 0. It
+stops the same way, exiting 1, once the model fails every task of several
+batches in a row (sluice.worker.runner.BROKEN_AFTER).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Worker:
         # is in flight, so the batch's own visibility change (a retry's
         # backoff, 0 for the DLQ or a hand-back) is the last one to land.
         self._extending = threading.Lock()
-        self.pipeline = Pipeline(self.runner, self._take_batch, self._release, self._give_back)
+        self.pipeline = Pipeline(self.runner, self._take_batch, self._release, self._give_back, on_broken=self.stop)
         self.exit = os._exit  # the watchdog's way out (a test stands in for it)
 
     # ----------------------------------------------------------- receiving
@@ -157,7 +159,7 @@ class Worker:
         self._give_back(self.buffer.close())
         self._done.set()
         self.metrics.stop()  # publishes what is left
-        return 0
+        return 1 if self.pipeline.broken else 0
 
     def stop(self, *_):
         if not self.stopping.is_set():

@@ -26,10 +26,16 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import Job, Outcome, claim, load_inputs, plan_outcomes, refused, write_outcomes
+from sluice.lifecycle import MODEL_ERROR, Job, Outcome, claim, load_inputs, plan_outcomes, refused, write_outcomes
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
+
+# Batches of two or more tasks in a row in which the model failed every task.
+# One failing task is a poison input (bisection isolates it); all of them,
+# batch after batch, is the device or the model: a worker that kept going
+# would spend an attempt of every task in its queues within seconds.
+BROKEN_AFTER = 3
 
 
 
@@ -190,7 +196,7 @@ def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
 class Pipeline:
     """Runs prepare -> infer -> finish with bounded hand-offs between stages."""
 
-    def __init__(self, runner: BatchRunner, take_batch, on_done, give_back=None):
+    def __init__(self, runner: BatchRunner, take_batch, on_done, give_back=None, on_broken=None):
         self.runner = runner
         self.take_batch = take_batch
         self.on_done = on_done  # receives the messages a batch no longer holds
@@ -202,6 +208,9 @@ class Pipeline:
         self.stopping = threading.Event()
         self.failures = 0
         self.inferring_since: float | None = None  # time.monotonic() when the batch in inference began
+        self.on_broken = on_broken  # told once BROKEN_AFTER batches in a row failed every task
+        self.broken = False
+        self._failed_in_a_row = 0
 
     def run(self) -> None:
         preparer = threading.Thread(target=self._prepare_loop, name="sluice-prepare", daemon=True)
@@ -228,9 +237,21 @@ class Pipeline:
             finally:
                 self.inferring_since = None
             self._finished.put((batch, prepared, outcomes))
+            self._watch_the_model(outcomes)
         self._finished.put(None)
         finisher.join()
         preparer.join()
+
+    def _watch_the_model(self, outcomes: list[Outcome]) -> None:
+        every_task_failed = len(outcomes) >= 2 and all(o.error_code == MODEL_ERROR and o.error for o in outcomes)
+        self._failed_in_a_row = self._failed_in_a_row + 1 if every_task_failed else 0
+        if self._failed_in_a_row >= BROKEN_AFTER and not self.broken:
+            log.error("the model failed every task of %d batches in a row: stopping this worker (exit 1) rather "
+                      "than fail the rest of the queue", self._failed_in_a_row)
+            self.broken = True
+            self.stopping.set()
+            if self.on_broken:
+                self.on_broken()
 
     def _prepare_loop(self) -> None:
         backoff = 0.1

@@ -119,3 +119,38 @@ def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_co
         worker.stop()
         thread.join(20)
     assert not thread.is_alive()
+
+
+class BrokenDevice(SyntheticModel):
+    """Every forward pass fails, whatever the inputs: a GPU after a sticky CUDA error."""
+
+    def __init__(self):
+        super().__init__(base_ms=0, per_item_ms=0)
+
+    def predict_batch(self, inputs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before_it_fails_the_queue(settings):
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 200})
+    service = TaskService(settings)
+    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
+           for i in range(12)]
+    worker = Worker(settings, {"synthetic": BrokenDevice()})
+    code = []
+    thread = threading.Thread(target=lambda: code.append(worker.run()), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(20)
+    assert code == [1], "the worker kept running on a model that fails everything"
+    records = TaskStore(settings).get_many(ids)
+    tried = [t for t in ids if records[t].attempts]
+    # Three batches of two, each task failed alone after bisection; the rest untouched, and back in the queue.
+    assert len(tried) == 6, {t: (r.status, r.attempts) for t, r in records.items()}
+    assert all(records[t].error_code == "model_error" and records[t].status == TaskStatus.queued for t in tried)
+    untouched = set(ids) - set(tried)
+    queues, back = PriorityQueues(settings), set()
+    wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
+             or untouched <= back, 10, "the untried tasks visible again")
