@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -13,6 +14,8 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 from sluice.aws import client
 from sluice.contract import Priority, TaskMessage
 from sluice.settings import Settings
+
+log = logging.getLogger("sluice.queues")
 
 _SQS_BATCH = 10
 # The two characters valid in a JSON string that SQS refuses in a message body
@@ -132,24 +135,42 @@ class PriorityQueues:
         ]
 
     def delete_many(self, messages: list[Received]) -> None:
-        self._per_queue(messages, lambda url, entries: self.sqs.delete_message_batch(QueueUrl=url, Entries=entries), {})
+        self._per_queue(messages, self.sqs.delete_message_batch, {}, "DeleteMessage")
 
     def change_visibility_many(self, messages: list[Received], timeout_s: int) -> None:
-        self._per_queue(
-            messages,
-            lambda url, entries: self.sqs.change_message_visibility_batch(QueueUrl=url, Entries=entries),
-            {"VisibilityTimeout": timeout_s},
-        )
+        self._per_queue(messages, self.sqs.change_message_visibility_batch, {"VisibilityTimeout": timeout_s},
+                        "ChangeMessageVisibility")
 
-    def _per_queue(self, messages: list[Received], call, extra: dict) -> None:
+    def _per_queue(self, messages: list[Received], call, extra: dict, what: str) -> None:
+        """Every chunk is tried: one that fails (after the SDK's retries) must not
+        leave the rest unextended or undeleted. Raises the first failure after."""
         by_priority: dict[Priority, list[Received]] = defaultdict(list)
         for m in messages:
             by_priority[m.priority].append(m)
+        first_error: Exception | None = None
+        refused: list[str] = []
         for priority, group in by_priority.items():
-            url = self.url(priority)
+            try:
+                url = self.url(priority)
+            except Exception as exc:
+                first_error = first_error or exc
+                continue
             for i in range(0, len(group), _SQS_BATCH):
                 chunk = group[i : i + _SQS_BATCH]
-                call(url, [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)])
+                entries = [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)]
+                try:
+                    answer = call(QueueUrl=url, Entries=entries)
+                except Exception as exc:
+                    first_error = first_error or exc
+                    continue
+                refused += [f.get("Code", "?") for f in answer.get("Failed", [])]
+        if refused:
+            # A handle gone stale (its message was received again elsewhere) is
+            # the usual cause: the message then is another delivery's to settle.
+            log.warning("SQS refused %d of %d %s entries: %s", len(refused), len(messages), what,
+                        ", ".join(sorted(set(refused))))
+        if first_error is not None:
+            raise first_error
 
     # ----------------------------------------------------------------- depth
     def depth(self, priority: Priority) -> int:

@@ -1,5 +1,6 @@
 """SQS priority queues and the S3 payload store on the emulator, over HTTP."""
 
+import dataclasses
 import json
 import urllib.request
 from urllib.parse import urlsplit
@@ -36,6 +37,33 @@ def test_send_receive_delete_per_priority(settings):
     queues.delete_many(high + low)
     assert queues.receive(Priority.high, 10, 0, 0) == []
 
+
+
+def test_a_failed_chunk_or_entry_does_not_stop_the_others_and_is_logged(settings, caplog):
+    # A heartbeat extending 25 messages: the first chunk's call failing must not
+    # leave the next 15 to lapse, and entries SQS refuses must not pass unseen.
+    queues = PriorityQueues(settings)
+    queues.send_many([message(f"c{i}") for i in range(25)])
+    held = drain(queues, Priority.normal, 25)
+    assert len(held) == 25
+    calls = []
+    real = queues.sqs.change_message_visibility_batch
+
+    def first_chunk_fails(**kwargs):
+        calls.append(len(kwargs["Entries"]))
+        if len(calls) == 1:
+            raise ConnectionError("reset by peer")
+        return real(**kwargs)
+
+    queues.sqs.change_message_visibility_batch = first_chunk_fails
+    stale = dataclasses.replace(held[-1], receipt_handle="not-a-receipt-handle")
+    with pytest.raises(ConnectionError):
+        queues.change_visibility_many(held[:-1] + [stale], 0)
+    assert calls == [10, 10, 5]
+    assert "1 of 25" in caplog.text and "ChangeMessageVisibility" in caplog.text, caplog.text
+    # The later chunks landed: those messages are visible again at once.
+    back = drain(queues, Priority.normal, 14)
+    assert {m.message_id for m in back} >= {m.message_id for m in held[10:24]}
 
 def test_third_failed_receive_moves_a_message_to_the_dlq(settings):
     queues = PriorityQueues(settings)
