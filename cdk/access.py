@@ -46,6 +46,10 @@ WORKER_QUEUES = [
     "sqs:ChangeMessageVisibility",
     "sqs:GetQueueAttributes",
 ]
+# EKS workers put their metrics (SLUICE_METRICS_SINK=cloudwatch): EKS's log
+# agent does not turn EMF lines into metrics. PutMetricData takes no resource,
+# so the grant is on "*" limited by a cloudwatch:namespace condition.
+WORKER_METRICS = ["cloudwatch:PutMetricData"]
 
 # Settling dead-lettered tasks (sluice.dlq.settle_dead: each EKS worker, and the
 # SageMaker backend's scheduled settler): find each DLQ from its queue's
@@ -74,6 +78,8 @@ def iam_action(service: str, operation: str) -> str:
         return f"sqs:{_SQS_BATCH.get(operation, operation)}"
     if service == "s3":
         return f"s3:{_S3.get(operation, operation)}"
+    if service == "monitoring":  # CloudWatch's endpoint prefix
+        return f"cloudwatch:{operation}"
     if service in ("runtime.sagemaker", "sagemaker-runtime"):
         return f"sagemaker:{operation}"
     return f"{service}:{operation}"

@@ -12,6 +12,7 @@ from aws_cdk import Acknowledgment, CfnCondition, Stack, Validations
 from constructs import IConstruct
 
 from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
+from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
 
 _OPEN_API = (
     "Clients authenticate with API Gateway API keys bound to usage plans; the tenant is the key id "
@@ -23,6 +24,10 @@ _KUBECTL = (
 )
 _NODE_POLICIES = "EKS managed node groups need these AWS managed policies to join the cluster and pull images."
 _XRAY = "X-Ray PutTraceSegments/PutTelemetryRecords take no resource-level permissions."
+_WORKER_METRICS = (
+    "cloudwatch:PutMetricData takes no resource-level permissions; a StringEquals cloudwatch:namespace "
+    f"condition limits it to the workers' namespace ({METRICS_NAMESPACE})."
+)
 
 
 def _find(root: IConstruct, path: str) -> IConstruct | None:
@@ -107,6 +112,7 @@ def suppress(stack: Stack) -> None:
 
     # ---------------------------------------------------------------- EKS
     _ack(stack, "Workers/WorkerRole", object_reason, inputs, results)
+    _ack(stack, "Workers/WorkerRole", _WORKER_METRICS, "AwsSolutions-IAM5[Resource::*]")
     _ack(stack, "Workers/Cluster/Role", "The EKS cluster service role needs AmazonEKSClusterPolicy.",
          _managed("AmazonEKSClusterPolicy"))
     for group in ("NodegroupSystem", "NodegroupGpu"):

@@ -19,6 +19,7 @@ from cdk import access
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
+from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
 
 NAMESPACE = "sluice"
 WORKER = "sluice-worker"
@@ -118,6 +119,13 @@ class EksWorkers(Construct):
         storage.grant_inputs(self.worker_role, access.WORKER_INPUTS)
         storage.grant_results(self.worker_role, access.WORKER_RESULTS)
         storage.grant_bucket(self.worker_role, access.WORKER_BUCKET)
+        self.worker_role.add_to_policy(
+            iam.PolicyStatement(
+                actions=access.WORKER_METRICS,
+                resources=["*"],  # PutMetricData takes no resource
+                conditions={"StringEquals": {"cloudwatch:namespace": METRICS_NAMESPACE}},
+            )
+        )
         service_account = {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
@@ -142,6 +150,8 @@ class EksWorkers(Construct):
             "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
             "SLUICE_RESULT_TTL_DAYS": str(config.result_ttl_days),
             "SLUICE_DEVICE": "cuda",
+            # The add-on ships container logs, not EMF: EMF lines on stdout would never become metrics.
+            "SLUICE_METRICS_SINK": "cloudwatch",
             **queues.env(),
         }
         deployment = {

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # A typo ("gpu") must stop a worker, not run it on the CPU unnoticed.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(default=0, ge=0)
+    metrics_sink: Literal["stdout", "cloudwatch"] = Field(
+        default="stdout", description="Worker metrics as EMF lines on stdout, or sent with CloudWatch "
+                                      "PutMetricData (EKS, whose log agent does not turn EMF lines into metrics).")
 
     def queue_url_override(self, priority: Priority) -> str | None:
         return getattr(self, f"queue_url_{priority.value}")

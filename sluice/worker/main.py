@@ -35,7 +35,7 @@ class Worker:
         # Prefetch about one batch per priority: enough to keep the model busy,
         # little enough that a flood of `low` cannot crowd out a later `high`.
         self.buffer = PrefetchBuffer(capacity_per_priority=max(10, settings.max_batch_size))
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(settings=settings)
         self.runner = BatchRunner(settings, models, self.metrics)
         self.stopping = threading.Event()
         self._done = threading.Event()

@@ -391,6 +391,38 @@ def test_eks_gpu_nodegroup_and_worker_deployment(synth):
         assert system in chart["DependsOn"]
 
 
+def worker_deployment(raw: dict) -> dict:
+    """The worker Deployment as the stack applies it, CloudFormation references as "TOKEN"."""
+    for res in resources(raw, "Custom::AWSCDK-EKS-KubernetesResource").values():
+        manifest = res["Properties"]["Manifest"]
+        parts = manifest["Fn::Join"][1] if isinstance(manifest, dict) else [manifest]
+        for document in json.loads("".join(p if isinstance(p, str) else "TOKEN" for p in parts)):
+            if document["kind"] == "Deployment" and document["metadata"]["name"] == "sluice-worker":
+                return document
+    raise AssertionError("no worker Deployment")
+
+
+def test_eks_workers_put_their_metrics_in_the_sluice_namespace(synth):
+    # The observability add-on ships container logs, not EMF: a worker printing
+    # its metrics would leave every worker graph on the dashboard blank.
+    from cdk import access
+    from sluice.worker.metrics import NAMESPACE
+
+    raw = synth.raw["eks"]
+    (container,) = worker_deployment(raw)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SLUICE_METRICS_SINK"] == "cloudwatch"
+
+    (worker,) = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
+    puts = [s for res in resources(raw, "AWS::IAM::Policy").values() if worker in refs(res["Properties"]["Roles"])
+            for s in res["Properties"]["PolicyDocument"]["Statement"]
+            if "cloudwatch:PutMetricData" in as_list(s["Action"])]
+    assert access.WORKER_METRICS == ["cloudwatch:PutMetricData"]
+    assert puts == [{"Action": "cloudwatch:PutMetricData", "Effect": "Allow", "Resource": "*",
+                     "Condition": {"StringEquals": {"cloudwatch:namespace": NAMESPACE}}}]
+    assert NAMESPACE == "Sluice"
+
+
 def test_eks_cluster_is_private_and_logs_everything(synth):
     (cluster,) = resources(synth.raw["eks"], "AWS::EKS::Cluster").values()
     props = cluster["Properties"]

@@ -146,6 +146,100 @@ def test_stopping_ends_the_timer_at_once_and_publishes_what_it_had_not(capsys, m
     assert values(emf, "TasksSucceeded") == [1]
 
 
+def cloudwatch_sink(capsys, monkeypatch) -> WorkerMetrics:
+    from sluice.settings import Settings
+
+    monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
+    metrics = WorkerMetrics(settings=Settings(metrics_sink="cloudwatch"))
+    metrics._metrics.clear_metrics()
+    capsys.readouterr()
+    return metrics
+
+
+def test_workers_print_unless_told_to_put(monkeypatch):
+    from sluice.settings import Settings, SettingsError
+
+    monkeypatch.delenv("SLUICE_METRICS_SINK", raising=False)
+    assert Settings().metrics_sink == "stdout"  # make run, on-prem and the Lambda dispatcher
+    monkeypatch.setenv("SLUICE_METRICS_SINK", "cloudwatch")
+    assert Settings().metrics_sink == "cloudwatch"
+    monkeypatch.setenv("SLUICE_METRICS_SINK", "logs")
+    with pytest.raises(SettingsError, match="SLUICE_METRICS_SINK"):
+        Settings()
+
+
+def test_a_refused_put_metric_data_is_a_warning_not_a_dead_worker(capsys, monkeypatch, caplog):
+    import logging
+
+    import sluice.aws
+    from botocore.exceptions import ClientError
+
+    tried = []
+
+    def refuse(**request):
+        tried.append(request)
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "not allowed"}}, "PutMetricData")
+
+    monkeypatch.setattr(sluice.aws, "client", lambda service, settings: SimpleNamespace(put_metric_data=refuse))
+    metrics = cloudwatch_sink(capsys, monkeypatch)
+    metrics.record_batch(8, 12)
+    metrics.record_outcomes([outcome("a")], 0)
+    with caplog.at_level(logging.WARNING, logger="sluice.worker.metrics"):
+        metrics.flush()
+    assert tried and tried[0]["Namespace"] == NAMESPACE
+    assert "AccessDenied" in caplog.text
+    assert capsys.readouterr().out == ""
+    assert not metrics._metrics.metric_set  # the window is dropped, not carried into the next
+
+
+def test_every_powertools_unit_is_a_cloudwatch_unit():
+    # The EMF unit goes to PutMetricData as it is.
+    import botocore.session
+    from aws_lambda_powertools.metrics import MetricUnit
+
+    model = botocore.session.get_session().get_service_model("cloudwatch")
+    assert {u.value for u in MetricUnit} <= set(model.shape_for("StandardUnit").enum)
+
+
+def emf_document(metrics: int, values: int, distinct: bool) -> dict:
+    names = [f"M{i}" for i in range(metrics)]
+    document = {"_aws": {"Timestamp": 1_700_000_000_000, "CloudWatchMetrics": [{
+        "Namespace": NAMESPACE, "Dimensions": [list(DIMENSIONS)],
+        "Metrics": [{"Name": n, "Unit": "Milliseconds"} for n in names]}]}, **DIMENSIONS}
+    for n in names:
+        document[n] = [float(v if distinct else 1) + 0.123456789 for v in range(values)]
+    return document
+
+
+def test_put_requests_stay_within_put_metric_data_limits():
+    from urllib.parse import urlencode
+
+    import botocore.session
+    from botocore.serialize import create_serializer
+
+    documents = [emf_document(metrics=100, values=400, distinct=True) for _ in range(12)]
+    documents.append(emf_document(metrics=3, values=500, distinct=False))
+    requests = list(worker_metrics.put_requests(documents))
+    model = botocore.session.get_session().get_service_model("cloudwatch")
+    operation = model.operation_model("PutMetricData")
+    for request in requests:
+        assert request["Namespace"] == NAMESPACE
+        assert len(request["MetricData"]) <= 1000
+        for datum in request["MetricData"]:
+            assert len(datum["Values"]) == len(datum["Counts"]) <= 150
+            assert datum["Dimensions"] == [{"Name": "service", "Value": "worker"}]
+            assert datum["Unit"] == "Milliseconds"
+        for protocol in ("query", "json", "smithy-rpc-v2-cbor"):  # whichever botocore picks
+            body = create_serializer(protocol).serialize_to_request(request, operation)["body"]
+            sent = urlencode(body).encode() if isinstance(body, dict) else body  # query: form fields
+            assert len(sent) <= 1_000_000, protocol
+    # Every value once, counted as often as it was recorded.
+    sent = [(d["MetricName"], v, c) for r in requests for d in r["MetricData"] for v, c in zip(d["Values"], d["Counts"])]
+    assert sum(c for *_, c in sent) == 12 * 100 * 400 + 3 * 500
+    assert len(sent) == 12 * 100 * 400 + 3
+    assert len(requests) > 1
+
+
 def _synth_observability() -> tuple[list[dict], list[dict]]:
     """The Observability construct's resources and its dashboard's widgets,
     synthesized in a stack of its own (queues real, the API stage's metrics
