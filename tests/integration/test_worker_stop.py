@@ -35,15 +35,26 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+
+def submit(settings, n: int) -> list[str]:
+    service = TaskService(settings)
+    return [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
+            for i in range(n)]
+
+
+def running(worker: Worker, exit_codes: list[int] | None = None) -> threading.Thread:
+    """The worker's run() in a thread; what it returns is appended to exit_codes."""
+    thread = threading.Thread(target=lambda: (exit_codes if exit_codes is not None else []).append(worker.run()),
+                              daemon=True)
+    thread.start()
+    return thread
+
 def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0})
-    service = TaskService(settings)
-    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
-           for i in range(8)]
+    ids = submit(settings, 8)
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
+    thread = running(worker)
     try:
         assert model.inferring.wait(15), "no batch reached the model within 15 s"
         # A second batch is prepared and waits behind the one in inference.
@@ -69,13 +80,10 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
     # A slow batch must not keep the buffer's messages (a high task among them,
     # say) hidden until it ends, or past the pod's grace period.
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0})
-    service = TaskService(settings)
-    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
-           for i in range(8)]
+    ids = submit(settings, 8)
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
+    thread = running(worker)
     queues, back = PriorityQueues(settings), set()
     try:
         assert model.inferring.wait(15), "no batch reached the model within 15 s"
@@ -97,15 +105,12 @@ def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_co
     # A hung GPU kernel: the heartbeat would keep the batch, and the batches and
     # messages behind it, hidden for as long as the process lived.
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "inference_timeout_s": 1})
-    service = TaskService(settings)
-    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
-           for i in range(6)]
+    ids = submit(settings, 6)
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
     exited = []
     worker.exit = exited.append  # stands in for os._exit
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
+    thread = running(worker)
     queues, back = PriorityQueues(settings), set()
     try:
         assert model.inferring.wait(15), "no batch reached the model within 15 s"
@@ -133,13 +138,10 @@ class BrokenDevice(SyntheticModel):
 
 def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before_it_fails_the_queue(settings):
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 200})
-    service = TaskService(settings)
-    ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"]), None).task_id
-           for i in range(12)]
+    ids = submit(settings, 12)
     worker = Worker(settings, {"synthetic": BrokenDevice()})
     code = []
-    thread = threading.Thread(target=lambda: code.append(worker.run()), daemon=True)
-    thread.start()
+    thread = running(worker, code)
     thread.join(60)
     if thread.is_alive():
         worker.stop()
