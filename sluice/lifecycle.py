@@ -132,6 +132,14 @@ INVALID_INPUT = "invalid_input"  # the model refuses the input (models.base.Mode
 _MISSING = {"NoSuchKey", "NotFound", "404"}
 
 
+def _describe(exc: Exception) -> str:
+    """An AWS error by its code and message, any other by its type and text: for a task's error message."""
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        return f"{error.get('Code') or 'ClientError'}: {error.get('Message', '')}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tuple[list[Job], list[Outcome]]:
     """Give each job its inputs: inline in its message, or the S3 object its
     message names (claim check), each read on its own. Returns the jobs to run
@@ -146,17 +154,16 @@ def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tupl
         try:
             inputs = payloads.get_json(key)
         except ClientError as exc:
-            error = exc.response.get("Error", {})
-            code = error.get("Code") or "ClientError"
+            code = exc.response.get("Error", {}).get("Code") or "ClientError"
             if code in _MISSING:
                 return _unreadable(job, f"inputs object {key!r} does not exist ({code})", permanent=True)
-            return _unreadable(job, f"inputs object {key!r} could not be read: {code}: {error.get('Message', '')}")
-        except BotoCoreError as exc:
-            return _unreadable(job, f"inputs object {key!r} could not be read: {type(exc).__name__}: {exc}")
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
+        except BotoCoreError as exc:  # before ValueError: some of botocore's errors are ValueErrors too
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
         except ValueError as exc:  # not JSON, not UTF-8
             return _unreadable(job, f"inputs object {key!r} is not JSON: {exc}", permanent=True)
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this task's attempt only
-            return _unreadable(job, f"inputs object {key!r} could not be read: {type(exc).__name__}: {exc}")
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
         if not isinstance(inputs, list) or not all(isinstance(text, str) for text in inputs):
             return _unreadable(job, f"inputs object {key!r} is not a JSON list of strings", permanent=True)
         job.inputs = inputs
@@ -297,9 +304,3 @@ def _retry_unstored(plan: OutcomePlan, unstored: dict[str, str]) -> None:
         _plan_error(plan, Outcome(o.job, error=f"result could not be stored: {why}", error_code=RESULT_NOT_STORED,
                                   model_version=o.model_version))
 
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        return f"{error.get('Code') or 'ClientError'}: {error.get('Message', '')}"
-    return f"{type(exc).__name__}: {exc}"
