@@ -159,6 +159,19 @@ def failed_ids(response: dict) -> set[str]:
     return {f["itemIdentifier"] for f in response["batchItemFailures"]}
 
 
+def rewrite_answers(d, monkeypatch, edit) -> None:
+    """The endpoint's real answers, with `edit(body)` applied to each before the dispatcher reads it."""
+    real = d.runtime.invoke_endpoint
+
+    def rewritten(**kwargs):
+        response = real(**kwargs)
+        body = json.loads(response["Body"].read())
+        edit(body)
+        return {**response, "Body": io.BytesIO(json.dumps(body).encode())}
+
+    monkeypatch.setattr(d.runtime, "invoke_endpoint", rewritten)
+
+
 def message_ids(event: dict, task_ids: list[str]) -> set[str]:
     return {r["messageId"] for r in event["Records"] if json.loads(r["body"])["task_id"] in task_ids}
 
@@ -277,16 +290,11 @@ def test_a_message_without_inputs_is_not_a_task_and_is_acknowledged(dispatch, se
 
 def test_an_answer_off_the_contract_is_a_failed_attempt_of_the_whole_call(dispatch, settings, monkeypatch):
     ids = submit(settings, *({"model": "synthetic", "inputs": [f"w{i}"]} for i in range(2)))
-    d = dispatch.module.dispatcher()
-    real = d.runtime.invoke_endpoint
 
-    def garble(**kwargs):
-        response = real(**kwargs)
-        body = json.loads(response["Body"].read())
+    def garble(body):
         body["tasks"][0] = {"task_id": body["tasks"][0]["task_id"], "error": "a string, not {code, message}"}
-        return {**response, "Body": io.BytesIO(json.dumps(body).encode())}
 
-    monkeypatch.setattr(d.runtime, "invoke_endpoint", garble)
+    rewrite_answers(dispatch.module.dispatcher(), monkeypatch, garble)
     event = sqs_event(settings, 2)
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
     store = TaskStore(settings)
@@ -407,16 +415,11 @@ def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, s
 
 def test_per_task_answers_are_mapped_by_task_id_and_a_missing_one_is_a_failed_attempt(dispatch, settings, monkeypatch):
     ids = submit(settings, *({"model": "synthetic", "inputs": [f"v{i}"]} for i in range(3)))
-    d = dispatch.module.dispatcher()
-    real = d.runtime.invoke_endpoint
 
-    def reorder_and_drop(**kwargs):
-        response = real(**kwargs)
-        body = json.loads(response["Body"].read())
+    def reorder_and_drop(body):
         body["tasks"] = [a for a in reversed(body["tasks"]) if a["task_id"] != ids[1]]
-        return {**response, "Body": io.BytesIO(json.dumps(body).encode())}
 
-    monkeypatch.setattr(d.runtime, "invoke_endpoint", reorder_and_drop)
+    rewrite_answers(dispatch.module.dispatcher(), monkeypatch, reorder_and_drop)
     event = sqs_event(settings, 3)
     assert failed_ids(dispatch(event)) == message_ids(event, [ids[1]])
     store = TaskStore(settings)
