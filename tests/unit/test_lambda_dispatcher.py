@@ -172,6 +172,15 @@ def rewrite_answers(d, monkeypatch, edit) -> None:
     monkeypatch.setattr(d.runtime, "invoke_endpoint", rewritten)
 
 
+def assert_one_failed_attempt(settings, ids: list[str], says: str) -> None:
+    """Each task is back in its queue with one attempt recorded: a model error whose message says `says`."""
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.queued and record.attempts == 1
+        assert record.error_code == "model_error" and says in record.error_message
+
+
 def message_ids(event: dict, task_ids: list[str]) -> set[str]:
     return {r["messageId"] for r in event["Records"] if json.loads(r["body"])["task_id"] in task_ids}
 
@@ -297,11 +306,7 @@ def test_an_answer_off_the_contract_is_a_failed_attempt_of_the_whole_call(dispat
     rewrite_answers(dispatch.module.dispatcher(), monkeypatch, garble)
     event = sqs_event(settings, 2)
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
-    store = TaskStore(settings)
-    for task_id in ids:
-        record = store.get(task_id)
-        assert record.status == TaskStatus.queued and record.attempts == 1
-        assert record.error_code == "model_error" and "endpoint call failed" in record.error_message
+    assert_one_failed_attempt(settings, ids, "endpoint call failed")
 
 
 def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(dispatch, settings):
@@ -388,11 +393,7 @@ def test_an_endpoint_error_for_the_whole_call_is_a_failed_attempt(dispatch, sett
     ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
     event = sqs_event(settings, 2)
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
-    store = TaskStore(settings)
-    for task_id in ids:
-        record = store.get(task_id)
-        assert record.status == TaskStatus.queued and record.attempts == 1
-        assert record.error_code == "model_error" and "ModelError" in record.error_message
+    assert_one_failed_attempt(settings, ids, "ModelError")
 
 
 def test_a_batch_over_the_call_limits_is_split_and_answered_per_task(dispatch, settings, monkeypatch):
