@@ -151,15 +151,6 @@ class Observability(Construct):
         errors_5xx = stage.metric_server_error(period=MINUTE, statistic="Sum")
         p50 = stage.metric_latency(period=MINUTE, statistic="p50", label="p50")
         p99 = stage.metric_latency(period=MINUTE, statistic="p99", label="p99")
-        # The stage's latency includes the long polls (GET /v1/tasks/{id}?wait_s=N),
-        # which hold up to 20 s by design: the alarm watches the submit routes,
-        # per method (the stage's method settings enable per-method metrics).
-        submit_p99 = {}
-        for method, path in SUBMIT_ROUTES:
-            latency = stage.metric_latency(period=MINUTE, statistic="p99", label=f"{method} {path} p99")
-            submit_p99[(method, path)] = latency.with_(
-                dimensions_map={**(latency.dimensions or {}), "Resource": path, "Method": method}
-            )
         rate_5xx = cw.MathExpression(
             expression="IF(requests > 0, 100 * errors / requests, 0)",
             using_metrics={"errors": errors_5xx, "requests": count},
@@ -167,7 +158,12 @@ class Observability(Construct):
             label="5xx %",
         )
         alarm("Api5xxRate", rate_5xx, config.api_5xx_rate_pct, f"Over {config.api_5xx_rate_pct}% of API calls end in 5xx.", periods=3)
-        for (method, path), latency in submit_p99.items():
+        # The stage's latency includes the long polls (GET /v1/tasks/{id}?wait_s=N),
+        # which hold up to 20 s by design: the alarm watches the submit routes,
+        # per method (the stage's method settings enable per-method metrics).
+        for method, path in SUBMIT_ROUTES:
+            latency = stage.metric_latency(period=MINUTE, statistic="p99", label=f"{method} {path} p99")
+            latency = latency.with_(dimensions_map={**(latency.dimensions or {}), "Resource": path, "Method": method})
             alarm(
                 "ApiP99Latency" + "".join(part.title() for part in (method, *path.split("/"))),  # ...PostV1Tasks
                 latency,
