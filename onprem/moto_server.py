@@ -5,7 +5,16 @@ Same app and server as `moto_server` (werkzeug's), minus the log line
 answers every request with `Connection: close`, and after each response reads
 whatever the socket holds for 10 ms, which on a kept connection would swallow
 the client's next request. So HTTP/1.1 here only frames the responses; it
-does not keep connections. `python -m onprem.moto_server -H 127.0.0.1 -p PORT`
+does not keep connections.
+
+DynamoDB calls go one at a time. moto checks an UpdateItem's condition and
+then applies the update to the stored item in place, with no lock between the
+two, so two concurrent conditional writes to one task could both pass
+(outcomes are written "only while queued": sluice.lifecycle), and a read
+could see an item half updated. DynamoDB makes each single-item write atomic,
+and Sluice's exactly-once outcome rests on that, so the emulator must too.
+moto's DynamoDB is pure Python under the GIL: one lock costs it little.
+`python -m onprem.moto_server -H 127.0.0.1 -p PORT`
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import run_simple
@@ -25,13 +35,28 @@ class QuietHandler(MotoRequestHandler):
         pass
 
 
+class AtomicDynamoDB:
+    """WSGI middleware: DynamoDB requests (told by their X-Amz-Target) run one at a time."""
+
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        if not environ.get("HTTP_X_AMZ_TARGET", "").startswith("DynamoDB_"):
+            return self.app(environ, start_response)
+        with self.lock:
+            # moto's responses are built whole; list() keeps any lazy body inside the lock.
+            return list(self.app(environ, start_response))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, default=5000)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run_simple(args.host, args.port, DomainDispatcherApplication(create_backend_app), threaded=True,
+    run_simple(args.host, args.port, AtomicDynamoDB(DomainDispatcherApplication(create_backend_app)), threaded=True,
                request_handler=QuietHandler)
 
 

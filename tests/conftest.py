@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """One moto server process for the session; tests isolate by resource names."""
+    """One moto server process for the session, the embedded profile's
+    (onprem/moto_server.py: atomic DynamoDB writes); tests isolate by resource names."""
     port = free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "onprem.moto_server", "-H", "127.0.0.1", "-p", str(port)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/moto-api/", 30)
         saved = dict(os.environ)

@@ -138,5 +138,6 @@ def start_seaweedfs(procs: Processes, data_dir: Path) -> tuple[Proc, str]:
 
 def start_moto(procs: Processes) -> tuple[Proc, str]:
     port = free_port()
-    proc = procs.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], clean_env())
+    proc = procs.start("moto", [sys.executable, "-m", "onprem.moto_server", "-H", "127.0.0.1", "-p", str(port)],
+                       clean_env())
     return proc, f"http://127.0.0.1:{port}"
