@@ -101,9 +101,17 @@ class Worker:
             log.warning("could not hand back %d messages: %s", len(messages), exc)
 
     # ----------------------------------------------------------- heartbeat
+    @property
+    def heartbeat_period_s(self) -> float:
+        # A message is first extended between one and two periods after it was
+        # received. At a quarter of the visibility timeout that leaves it a
+        # quarter or more when the next tick comes, so one failed extension
+        # call (a throttle, a blip) never lets a held message lapse.
+        return max(1.0, self.settings.visibility_timeout_s / 4)
+
     def _heartbeat_loop(self) -> None:
         """Keep every held message invisible while it waits or runs."""
-        period = max(1.0, self.settings.visibility_timeout_s / 3)
+        period = self.heartbeat_period_s
         while not self._done.wait(period):
             self._extend_held(period)
 

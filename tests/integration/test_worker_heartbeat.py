@@ -1,10 +1,12 @@
 """The heartbeat's visibility extension never lands after a batch has set its
 messages' visibility itself: a retry's backoff or a hand-back (0) would
-otherwise become a whole visibility timeout."""
+otherwise become a whole visibility timeout. And its period leaves room for
+one failed extension call."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 from models.synthetic import SyntheticModel
 from sluice.api.service import TaskService
@@ -67,3 +69,37 @@ def test_a_hand_back_during_an_extension_lands_after_it(settings, monkeypatch):
 
     again = worker.queues.receive(Priority.normal, 1, 2, 30)
     assert [m.task().task_id for m in again] == [task_id], "the hand-back was overridden by the extension"
+
+
+def test_a_message_outlives_one_failed_extension_whenever_it_was_received(settings, monkeypatch):
+    """The heartbeat's ticks run on their own clock, so a message may arrive at
+    any point between two of them. Whatever that point, when the first
+    extension it is due fails, the next tick still finds it with a quarter of
+    its visibility timeout left."""
+    worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    visibility = settings.visibility_timeout_s
+    period = worker.heartbeat_period_s
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("sluice.worker.main.time", SimpleNamespace(monotonic=lambda: clock.now))
+    attempts: list[float] = []  # when an extension of the message was asked for
+
+    def failing_once(messages, timeout_s):
+        attempts.append(clock.now)
+        if len(attempts) == 1:
+            raise ConnectionError("throttled")
+
+    monkeypatch.setattr(worker.queues, "change_visibility_many", failing_once)
+    steps = 20
+    for step in range(steps):
+        received = period * step / steps  # between the ticks at 0 and at one period
+        attempts.clear()
+        message = SimpleNamespace(receipt_handle="m", received_at=received)
+        worker._held = {"m": message}
+        tick = 0
+        while len(attempts) < 2:
+            tick += 1
+            clock.now = tick * period
+            assert clock.now < received + visibility, f"received at {received:.1f} s: the message lapsed"
+            worker._extend_held(period)
+        left = received + visibility - attempts[1]
+        assert left >= visibility / 4 - 1e-9, f"received at {received:.1f} s: retried with only {left:.1f} s left"
