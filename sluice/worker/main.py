@@ -22,7 +22,7 @@ from sluice.settings import Settings, SettingsError
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.policy import WeightedPriorityPolicy
-from sluice.worker.runner import BatchRunner, Pipeline
+from sluice.worker.runner import BatchRunner, Pipeline, hand_back
 
 log = logging.getLogger("sluice.worker")
 
@@ -91,14 +91,11 @@ class Worker:
             for m in messages:
                 self._held.pop(m.receipt_handle, None)
 
-    def _give_back(self, messages: list[Received]) -> None:
+    def _give_back(self, messages: list[Received], delay_s: int = 0) -> None:
         if not messages:
             return
-        self._release(messages)
-        try:
-            self.queues.change_visibility_many(messages, 0)
-        except Exception as exc:  # they come back after their visibility timeout anyway
-            log.warning("could not hand back %d messages: %s", len(messages), exc)
+        self._release(messages)  # first, so that no extension lands after the hand-back
+        hand_back(self.queues, messages, delay_s)
 
     # ----------------------------------------------------------- heartbeat
     @property

@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -58,8 +59,10 @@ class BatchRunner:
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sluice-io")
 
     # ------------------------------------------------------------- prepare
-    def prepare(self, batch: list[Received], release=None) -> Prepared:
-        """`release` is told which messages go back unclaimed, as in finish."""
+    def prepare(self, batch: list[Received], give_back=None) -> Prepared:
+        """`give_back(messages, delay_s)` hands back the messages that go back
+        unclaimed (the worker's own, which first stops extending them);
+        without it they are handed back here."""
         ack: list[Received] = []
         unserved: dict[str, list[Received]] = {}  # by model
         jobs: dict[str, Job] = {}
@@ -78,7 +81,7 @@ class BatchRunner:
             else:
                 jobs[message.task_id] = Job(message, [received])
         if unserved:
-            self._hand_back_unserved(unserved, release)
+            self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
 
         claimed = claim(self.store, list(jobs.values()), now_ms())
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
@@ -86,7 +89,7 @@ class BatchRunner:
         runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
         return Prepared(runnable, ack, unreadable)
 
-    def _hand_back_unserved(self, unserved: dict[str, list[Received]], release) -> None:
+    def _hand_back_unserved(self, unserved: dict[str, list[Received]], give_back) -> None:
         """The API and the workers read SLUICE_MODELS apart: in a rolling deploy
         an API may take a model minutes before this worker serves it. That is
         no attempt of the task, so nothing is written (no start, no error),
@@ -99,12 +102,7 @@ class BatchRunner:
         messages = [m for group in unserved.values() for m in group]
         log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
                     len(messages), ", ".join(sorted(unserved)), delay_s)
-        if release:
-            release(messages)
-        try:
-            self.queues.change_visibility_many(messages, delay_s)
-        except Exception as exc:  # they come back after their visibility timeout anyway
-            log.warning("could not hand back %d messages: %s", len(messages), type(exc).__name__)
+        give_back(messages, delay_s)
 
     # --------------------------------------------------------------- infer
     def infer(self, jobs: list[Job]) -> list[Outcome]:
@@ -187,6 +185,14 @@ class BatchRunner:
             self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
 
 
+def hand_back(queues: PriorityQueues, messages: list[Received], delay_s: int = 0) -> None:
+    """Make messages visible again after delay_s, for this worker or another."""
+    try:
+        queues.change_visibility_many(messages, delay_s)
+    except Exception as exc:  # they come back after their visibility timeout anyway
+        log.warning("could not hand back %d messages: %s", len(messages), type(exc).__name__)
+
+
 def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
     if isinstance(exc, ModelInputError):
         return refused(job, str(exc), model_version)
@@ -196,13 +202,14 @@ def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
 class Pipeline:
     """Runs prepare -> infer -> finish with bounded hand-offs between stages."""
 
-    def __init__(self, runner: BatchRunner, take_batch, on_done, give_back=None, on_broken=None):
+    def __init__(self, runner: BatchRunner, take_batch, on_done, give_back, on_broken=None):
         self.runner = runner
         self.take_batch = take_batch
         self.on_done = on_done  # receives the messages a batch no longer holds
-        # Receives the messages of a batch not started when stopping: visible
-        # again at once for another worker (default: left to their timeout).
-        self.give_back = give_back or on_done
+        # give_back(messages, delay_s=0) makes messages visible again: a batch
+        # not started when stopping (at once, for another worker), the tasks
+        # for a model this worker does not serve (after a delay).
+        self.give_back = give_back
         self._prepared: queue.Queue = queue.Queue(maxsize=1)
         self._finished: queue.Queue = queue.Queue(maxsize=2)
         self.stopping = threading.Event()
@@ -260,7 +267,7 @@ class Pipeline:
             if not batch:
                 continue
             try:
-                prepared = self.runner.prepare(batch, self.on_done)
+                prepared = self.runner.prepare(batch, self.give_back)
                 backoff = 0.1
             except Exception:
                 # A dependency is down: the messages come back after their

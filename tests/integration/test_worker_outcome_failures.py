@@ -115,8 +115,8 @@ def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
     again = receive_again(settings, elsewhere, changes[0][2], 1)
     assert again.receive_count == 2
 
-    # Handed back again, released first so that no heartbeat extends it past its delay.
-    released = []
-    assert runner.prepare([again], released.extend).jobs == []
-    assert released == [again] and changes[-1][:2] == ([elsewhere], 1)
+    # Handed back again through the worker's give_back, which first stops its heartbeat extending it.
+    given = []
+    assert runner.prepare([again], lambda messages, delay_s: given.append((messages, delay_s))).jobs == []
+    assert given == [([again], 1)]
     assert store.get(elsewhere).attempts == 0
