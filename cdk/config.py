@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -181,12 +182,29 @@ class SluiceConfig:
                 problems.append(f"{name}: needs exactly the keys {PRIORITIES}")
         if any(not 2 <= v <= 1000 for v in self.dispatcher_max_concurrency.values()):
             problems.append("dispatcher_max_concurrency: 2..1000 per priority")
+        if "sagemaker" in self.backends and not _nvidia_gpu(self.sagemaker_instance_type.removeprefix("ml.")):
+            problems.append(f"sagemaker_instance_type: {self.sagemaker_instance_type!r} has no NVIDIA GPU, and the "
+                            "endpoint runs its model with SLUICE_DEVICE=cuda (ml.g4dn, ml.g5, ml.g6, ml.p4d, ...)")
+        if "eks" in self.backends:
+            problems += [f"gpu_instance_types: {t!r} has no NVIDIA GPU, and the workers run with SLUICE_DEVICE=cuda "
+                         "(g4dn, g5, g6, p4d, ...)" for t in self.gpu_instance_types if not _nvidia_gpu(t)]
         if not self.usage_plans:
             problems.append("usage_plans: at least one")
         if not 1 <= self.result_ttl_days <= 3650:
             problems.append("result_ttl_days: 1..3650")
         if problems:
             raise ValueError("invalid sluice configuration: " + "; ".join(problems))
+
+
+# EC2 and SageMaker families with NVIDIA GPUs: g and p then a generation
+# (g4dn, g5, g6e, p4d, p5...), less g4ad (AMD GPUs) and g5g (Arm CPUs, which
+# the x86 images do not run on). A CPU instance would fail only at deploy
+# time, when the model cannot load and the health check times out.
+_NVIDIA_FAMILY = re.compile(r"^(?!g4ad\.|g5g\.)[gp]\d+[a-z0-9-]*\.[a-z0-9]+$")
+
+
+def _nvidia_gpu(instance_type: str) -> bool:
+    return bool(_NVIDIA_FAMILY.match(instance_type))
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:

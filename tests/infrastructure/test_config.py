@@ -55,8 +55,19 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"result_ttl_days": 0}, "result_ttl_days"),
         ({"dispatcher_batch_size": 101}, "dispatcher_batch_size"),
         ({"no_such_option": 1}, "unknown"),
+        ({"sagemaker_instance_type": "ml.m5.xlarge"}, "sagemaker_instance_type: 'ml.m5.xlarge' has no NVIDIA GPU"),
+        ({"sagemaker_instance_type": "ml.inf2.xlarge"}, "sagemaker_instance_type"),
+        ({"backends": "eks", "gpu_instance_types": "g5.xlarge,c5.xlarge"}, "gpu_instance_types: 'c5.xlarge'"),
+        ({"backends": "eks", "gpu_instance_types": "g4ad.xlarge"}, "gpu_instance_types"),
     ],
 )
 def test_invalid_configuration_is_refused(raw, message):
     with pytest.raises(ValueError, match=message):
         SluiceConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("types", ["g4dn.xlarge,g5.2xlarge,g6e.xlarge,p4d.24xlarge,p5.48xlarge", "g6.xlarge"])
+def test_nvidia_instance_families_are_accepted(types):
+    config = SluiceConfig.from_dict({"backends": "eks,sagemaker", "gpu_instance_types": types,
+                                     "sagemaker_instance_type": "ml." + types.split(",")[0]})
+    assert config.sagemaker_instance_type.startswith("ml.")
