@@ -31,7 +31,6 @@ SUBMIT_ROUTES = (("POST", "/v1/tasks"), ("POST", "/v1/tasks/batch"))
 
 # API Gateway's own refusals, in the same error shape the app uses.
 _GATEWAY_ERRORS = {
-    apigw.ResponseType.BAD_REQUEST_BODY: ("422", "validation_error"),
     apigw.ResponseType.BAD_REQUEST_PARAMETERS: ("422", "validation_error"),
     apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("403", "forbidden"),
     apigw.ResponseType.INVALID_API_KEY: ("403", "forbidden"),
@@ -114,9 +113,11 @@ class Api(Construct):
         self.stage = self.api.deployment_stage
 
         integration = apigw.LambdaIntegration(fn, proxy=True)
-        body_validator = self.api.add_request_validator(
-            "BodyAndParams", validate_request_body=True, validate_request_parameters=True
-        )
+        # Bodies are validated by the app, not here: the gateway's refusal can
+        # only say "Invalid request body" (its template cannot carry the JSON
+        # schema's message safely), where the app answers as in every profile,
+        # naming the field and the rule (and 400 for JSON that does not parse).
+        # The request models stay, as the API's published schema of its bodies.
         params_validator = self.api.add_request_validator(
             "ParamsOnly", validate_request_body=False, validate_request_parameters=True
         )
@@ -129,7 +130,7 @@ class Api(Construct):
                 verb,
                 integration,
                 api_key_required=key,
-                request_validator=body_validator if model else params_validator,
+                request_validator=params_validator,
                 request_models={"application/json": model} if model else None,
                 request_parameters=params,
             )
