@@ -24,6 +24,16 @@ Either way the inputs run through the model in chunks of SLUICE_MAX_BATCH_SIZE
 failure is bisected (sluice.isolation) until the task that causes it stands
 alone, and only that task gets an error.
 
+A model that fails every task it ran in BROKEN_AFTER calls of two or more
+tasks in a row (a GPU after a sticky CUDA error, a broken model) makes /ping
+answer 503 from then on, so that SageMaker takes the instance out of service
+and replaces it: the EKS worker's rule (sluice.worker.runner), which stops the
+worker. One failing task is a poison input and does not count; a call in
+which any task succeeds starts the count again. Invocations are still
+answered: refusing them would spare no task an attempt, since a container's
+503 reaches the dispatcher as a ModelError, a failed attempt of every task in
+the call, as a `model_error` answer is.
+
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
 model itself runs one batch at a time behind a lock.
@@ -62,6 +72,15 @@ log = logging.getLogger("sluice.sagemaker")
 
 JSON = "application/json"
 
+# Calls of two or more tasks in a row in which the model failed every task it
+# ran: past this, /ping answers 503. The EKS worker's threshold
+# (sluice.worker.runner.BROKEN_AFTER, kept equal by a test), not imported from
+# there: the runner pulls in boto3 and the worker's AWS adapters, which this
+# server does not otherwise load; what the two share lives in dependency-free
+# modules (sluice.isolation).
+BROKEN_AFTER = 3
+MODEL_ERROR = "model_error"
+
 
 class RequestError(Exception):
     def __init__(self, status: HTTPStatus, code: str, message: str):
@@ -87,6 +106,9 @@ class Endpoint:
         self.max_payload_bytes = max_payload_bytes
         self.max_batch_size = max_batch_size  # SLUICE_MAX_BATCH_SIZE; each model's own limit applies too
         self._locks = {name: threading.Lock() for name in models}
+        self.broken = False  # for good: /ping answers 503 until SageMaker replaces the instance
+        self._failed_in_a_row = 0
+        self._watch = threading.Lock()  # calls for different models run at once
 
     def invoke(self, body: bytes, content_type: str | None) -> EndpointResult | EndpointTasksReply:
         if content_type and content_type.split(";")[0].strip().lower() not in (JSON, "application/x-json"):
@@ -118,6 +140,7 @@ class Endpoint:
                 outputs = self._predict(model, single.inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
+        self._watch_the_model([None])
         return EndpointResult(model=name, model_version=model.version, result=model.result_for_task(outputs))
 
     def _model(self, name: str | None):
@@ -149,15 +172,30 @@ class Endpoint:
             # Logged here in full; the caller gets no internals, as with a 500.
             log.error("the model failed on task %s", task_id, exc_info=exc)
             return EndpointTaskAnswer(task_id=task_id, error=TaskError(
-                code="model_error", message=f"the model failed on this task ({type(exc).__name__})"))
+                code=MODEL_ERROR, message=f"the model failed on this task ({type(exc).__name__})"))
 
         if tasks:
             with self._locks[name]:
                 results = run_isolating(run, tasks, failed)
             for (i, _), answer in zip(tasks, results):
                 answers[i] = answer
+            # The tasks the model ran: a `validation_error` never reached it.
+            self._watch_the_model([a.error.code if a.error else None for a in results])
         return EndpointTasksReply(model=name, model_version=model.version, tasks=answers)
 
+    def _watch_the_model(self, codes: list[str | None]) -> None:
+        """Told the error code (None: a result) of each task one call ran through the model."""
+        with self._watch:
+            if None in codes:  # the model answered a task: it works
+                self._failed_in_a_row = 0
+            elif len(codes) >= 2 and all(code == MODEL_ERROR for code in codes):
+                self._failed_in_a_row += 1
+            # Otherwise (one task alone, a refusal among the failures) the call
+            # says nothing about the device: the count stays as it is.
+            if self._failed_in_a_row >= BROKEN_AFTER and not self.broken:
+                self.broken = True
+                log.error("the model failed every task of %d calls in a row: /ping answers 503 from now on, "
+                          "for SageMaker to replace this instance", self._failed_in_a_row)
 
     def _predict(self, model, inputs: list[str]) -> list:
         limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)
@@ -216,10 +254,14 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
-            if self.path.split("?")[0] == "/ping":
-                self._send(HTTPStatus.OK, json.dumps({"status": "ok", "models": sorted(endpoint.models)}).encode())
-            else:
+            if self.path.split("?")[0] != "/ping":
                 self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
+            elif endpoint.broken:
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, json.dumps({
+                    "status": "broken", "models": sorted(endpoint.models),
+                    "reason": f"the model failed every task of {BROKEN_AFTER} calls in a row"}).encode())
+            else:
+                self._send(HTTPStatus.OK, json.dumps({"status": "ok", "models": sorted(endpoint.models)}).encode())
 
         def do_POST(self):
             if self.path.split("?")[0] != "/invocations":

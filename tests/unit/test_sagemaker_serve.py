@@ -39,10 +39,13 @@ class Recording:
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
+        self.broken = False  # fails every batch, as a GPU after a sticky CUDA error
 
     def predict_batch(self, inputs):
         self.entered.set()
         assert self.gate.wait(10), "test never released the model"
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if any("!bad" in t for t in inputs):
             raise ModelInputError("refuses '!bad'")
         if any("!crash" in t for t in inputs):
@@ -262,6 +265,81 @@ def test_ping_answers_while_a_batch_is_running(server):
     model.gate.set()
     worker.join(10)
     assert result["r"][0] == 200
+
+
+def tasks_of(*inputs):
+    return {"tasks": [{"task_id": f"t{i}", "inputs": [text]} for i, text in enumerate(inputs)]}
+
+
+def fail_every_task(port, calls, n_tasks=2):
+    for _ in range(calls):
+        status, body = call(port, "POST", "/invocations", tasks_of(*(["x"] * n_tasks)))
+        assert status == 200 and {a["error"]["code"] for a in body["tasks"]} == {"model_error"}, body
+
+
+def test_ping_answers_503_once_the_model_failed_every_task_of_broken_after_calls(server):
+    port, model = server
+    model.broken = True
+    fail_every_task(port, serve.BROKEN_AFTER - 1)
+    assert call(port, "GET", "/ping")[0] == 200
+    fail_every_task(port, 1)
+    status, body = call(port, "GET", "/ping")
+    assert status == 503 and body["status"] == "broken", body
+    # Invocations are still answered: the dispatcher reads a container's 503 as a
+    # ModelError, a failed attempt of every task, as it reads these answers.
+    fail_every_task(port, 1)
+    # For good: SageMaker replaces the instance; a sticky CUDA error does not heal.
+    model.broken = False
+    assert call(port, "POST", "/invocations", tasks_of("a", "b"))[0] == 200
+    assert call(port, "GET", "/ping")[0] == 503
+
+
+def test_one_failing_task_a_call_is_a_poison_input_and_never_turns_ping_unhealthy(server):
+    port, model = server
+    model.broken = True
+    for _ in range(serve.BROKEN_AFTER * 2):
+        fail_every_task(port, 1, n_tasks=1)
+        assert call(port, "POST", "/invocations", {"inputs": ["x"]})[0] == 500  # the single-task form
+    # Among healthy tasks, a poison one fails alone: the call is no failure of the model.
+    model.broken = False
+    for _ in range(serve.BROKEN_AFTER * 2):
+        status, body = call(port, "POST", "/invocations", tasks_of("ok", "!crash", "fine"))
+        assert [a.get("error", {}).get("code") for a in body["tasks"]] == [None, "model_error", None]
+    assert call(port, "GET", "/ping")[0] == 200
+
+
+def test_refused_tasks_are_not_failures_of_the_model(server):
+    port, model = server
+    for _ in range(serve.BROKEN_AFTER * 2):
+        status, body = call(port, "POST", "/invocations", tasks_of("!bad", "!bad too"))
+        assert [a["error"]["code"] for a in body["tasks"]] == ["invalid_input", "invalid_input"]
+    model.broken = True
+    for _ in range(serve.BROKEN_AFTER * 2):
+        # A task that breaks the contract never reaches the model: one task ran, and failed.
+        status, body = call(port, "POST", "/invocations", {"tasks": [{"task_id": "a", "inputs": []},
+                                                                     {"task_id": "b", "inputs": ["x"]}]})
+        assert [a["error"]["code"] for a in body["tasks"]] == ["validation_error", "model_error"]
+    assert call(port, "GET", "/ping")[0] == 200
+
+
+@pytest.mark.parametrize("success", [tasks_of("!crash", "ok"), {"inputs": ["ok"]}], ids=["many-task", "single-task"])
+def test_a_call_in_which_a_task_succeeds_starts_the_count_again(server, success):
+    port, model = server
+    model.broken = True
+    fail_every_task(port, serve.BROKEN_AFTER - 1)
+    model.broken = False
+    assert call(port, "POST", "/invocations", success)[0] == 200
+    model.broken = True
+    fail_every_task(port, serve.BROKEN_AFTER - 1)
+    assert call(port, "GET", "/ping")[0] == 200
+    fail_every_task(port, 1)
+    assert call(port, "GET", "/ping")[0] == 503
+
+
+def test_the_endpoint_gives_up_on_the_model_when_the_worker_would():
+    from sluice.worker.runner import BROKEN_AFTER
+
+    assert serve.BROKEN_AFTER == BROKEN_AFTER
 
 
 def free_port() -> int:
