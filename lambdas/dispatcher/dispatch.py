@@ -19,7 +19,9 @@ Dispatcher); the parts run concurrently. An invocation that fails as a whole
 (the container's error, a timeout, an answer that is not an EndpointTasksReply)
 is a failed attempt of every task in it, and a task it does not answer is a
 failed attempt of that task. One that SageMaker turned away before any container saw it
-(throttled, unavailable, no model ready, no connection) ran nothing: no
+(throttled, unavailable, no model ready, no connection), or that the container
+refused as `unknown_model` (a model the API took before a deploy brought it to
+the endpoint; the EKS worker hands such a task back too), ran nothing: no
 outcome is written, the claim's recorded start is taken back (lifecycle.unclaim)
 and SQS delivers the messages again, so an endpoint outage does not spend
 attempts, as a dependency outage does not on EKS.
@@ -28,11 +30,12 @@ attempts, as a dependency outage does not on EKS.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
@@ -43,6 +46,7 @@ from sluice.contract import (
     EndpointTask,
     EndpointTasksReply,
     EndpointTasksRequest,
+    ErrorResponse,
     TaskMessage,
     now_ms,
 )
@@ -54,7 +58,10 @@ from sluice.settings import Settings
 log = logging.getLogger("sluice.dispatcher")
 
 # SageMaker's answers for a call no container saw (InvokeEndpoint's errors).
+# Not InternalFailure: it does not say that no container ran the call.
 _TURNED_AWAY = {"ThrottlingException", "ServiceUnavailable", "ModelNotReadyException"}
+# serve.py's 400 for a model it does not serve: refused before any task ran.
+_UNSERVED_MODEL = "unknown_model"
 # The endpoint's per-task verdicts that every attempt would repeat.
 _PERMANENT = {INVALID_INPUT, "validation_error"}
 
@@ -157,7 +164,8 @@ class Dispatcher:
         current: list[Job] = []
         inputs = size = 0
         for job in jobs:
-            job_size = len(_task(job).model_dump_json()) + 1
+            # Bytes, as the body is sent (UTF-8) and SageMaker and serve.py count it.
+            job_size = len(_task(job).model_dump_json().encode()) + 1
             job_inputs = len(job.inputs)
             if current and (
                 len(current) >= self.max_tasks_per_call
@@ -243,9 +251,25 @@ def _task(job: Job) -> EndpointTask:
 
 def _turned_away(exc: Exception) -> bool:
     if isinstance(exc, ClientError):
-        return exc.response.get("Error", {}).get("Code") in _TURNED_AWAY
+        code = exc.response.get("Error", {}).get("Code")
+        return code in _TURNED_AWAY or (code == "ModelError" and _container_error(exc.response) == _UNSERVED_MODEL)
     # No connection was made (a read timeout, by contrast, may have run the model).
-    return isinstance(exc, EndpointConnectionError)
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+
+
+def _container_error(response: dict) -> str | None:
+    """The error code of serve.py's 400 answer within a ModelError, if that is what it holds."""
+    if response.get("OriginalStatusCode") != 400:
+        return None
+    # SageMaker passes the container's body on as OriginalMessage, and quotes it in Message.
+    body = response.get("OriginalMessage")
+    if body is None:
+        quoted = re.search(r'with message "(.*)"', response.get("Error", {}).get("Message", ""), re.DOTALL)
+        body = quoted and quoted.group(1)
+    try:
+        return ErrorResponse.model_validate_json(body).error.code if body else None
+    except ValueError:  # not serve.py's error body
+        return None
 
 
 def _describe(exc: Exception) -> str:

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler
 
 import boto3
 import pytest
+from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
 
 from cdk import access
 from containers.sagemaker import serve
@@ -52,12 +53,14 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
     """POST /endpoints/{name}/invocations, answered by serve.py's Endpoint.
 
     Container errors come back the way the runtime reports them: HTTP 424,
-    error type ModelError, the container's status and body in the message.
+    error type ModelError, the container's status and body in the message and
+    as OriginalStatusCode and OriginalMessage.
     An unknown endpoint name answers 503, as an endpoint that is not in service.
     """
 
     endpoint = Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
     calls: list[dict] = []
+    sends_original_message = True
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -70,7 +73,10 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
         except RequestError as err:
             original = serve.body_of(err.reply()).decode()
             message = f"Received client error ({err.status.value}) from primary with message \"{original}\"."
-            return self._send(424, {"message": message, "OriginalStatusCode": err.status.value}, "ModelError")
+            error = {"message": message, "OriginalStatusCode": err.status.value}
+            if self.sends_original_message:
+                error["OriginalMessage"] = original
+            return self._send(424, error, "ModelError")
 
     def _send(self, status: int, payload: dict | bytes, error_type: str | None = None):
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -384,6 +390,69 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
     counts = settle_dead(queues, store, [Priority.normal], max_attempts=3)
     assert counts == {"failed": 0, "requeued": 2}
     assert all(store.get(t).status == TaskStatus.queued for t in ids)
+
+
+@pytest.mark.parametrize("unreachable", [EndpointConnectionError, ConnectTimeoutError])
+def test_an_endpoint_that_cannot_be_reached_spends_no_attempt(dispatch, settings, unreachable):
+    # No connection was made, refused or timed out: nothing ran, even on the last delivery.
+    def no_connection(request, **kwargs):
+        raise unreachable(endpoint_url=request.url)
+
+    dispatch.module.dispatcher().runtime.meta.events.register(
+        "before-send.sagemaker-runtime.InvokeEndpoint", no_connection)
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    event = sqs_event(settings, 1, receive_count=3)
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    record = TaskStore(settings).get(task_id)
+    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
+@pytest.mark.parametrize("sends_original_message", [True, False])
+def test_a_model_the_endpoint_does_not_serve_yet_spends_no_attempt(dispatch, settings, monkeypatch,
+                                                                   sends_original_message):
+    # A deploy: the API takes a new model before the endpoint serves it, and
+    # serve.py refuses the call (400 unknown_model) before any task runs. As an
+    # EKS worker without the model does, the task is handed back untouched.
+    monkeypatch.setattr(SageMakerRuntime, "sends_original_message", sends_original_message)
+    api = settings.model_copy(update={"models": "synthetic,minilm-embed"})
+    (task_id,) = submit(settings, {"model": "minilm-embed", "inputs": ["x"]}, service_settings=api)
+    event = sqs_event(settings, 1, receive_count=3)
+    SageMakerRuntime.calls.clear()
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    assert len(SageMakerRuntime.calls) == 1
+    record = TaskStore(settings).get(task_id)
+    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
+def test_another_400_from_the_container_is_a_failed_attempt(dispatch, settings, monkeypatch):
+    # Only unknown_model says nothing ran: a call refused as invalid may have
+    # been the endpoint's verdict on these very tasks.
+    from pydantic import Field
+
+    from sluice.contract import EndpointTasksRequest
+
+    class ShortModelNamesOnly(EndpointTasksRequest):
+        model: str = Field(max_length=3)
+
+    monkeypatch.setattr(serve, "EndpointTasksRequest", ShortModelNamesOnly)
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    event = sqs_event(settings, 1)
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    assert_one_failed_attempt(settings, ids, "validation_error")
+
+
+def test_a_call_is_bounded_by_its_bytes_not_its_characters(dispatch, settings, monkeypatch):
+    # \u6771 is 3 bytes in UTF-8, as the body is sent: by characters the two
+    # tasks fit the dispatcher's cap together, by bytes they are over the
+    # endpoint's; each alone fits both.
+    d = dispatch.module.dispatcher()
+    monkeypatch.setattr(d, "max_call_bytes", 4000)
+    monkeypatch.setattr(SageMakerRuntime.endpoint, "max_payload_bytes", 4800)
+    ids = submit(settings, *({"model": "synthetic", "inputs": ["\u6771" * 1000]} for _ in range(2)))
+    SageMakerRuntime.calls.clear()
+    assert dispatch(sqs_event(settings, 2)) == {"batchItemFailures": []}
+    assert len(SageMakerRuntime.calls) == 2
+    assert all(TaskStore(settings).get(t).status == TaskStatus.succeeded for t in ids)
 
 
 def test_an_endpoint_error_for_the_whole_call_is_a_failed_attempt(dispatch, settings, monkeypatch):
