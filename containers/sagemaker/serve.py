@@ -29,10 +29,14 @@ tasks in a row (a GPU after a sticky CUDA error, a broken model) makes /ping
 answer 503 from then on, so that SageMaker takes the instance out of service
 and replaces it: the EKS worker's rule (sluice.worker.runner), which stops the
 worker. One failing task is a poison input and does not count; a call in
-which any task succeeds starts the count again. Invocations are still
-answered: refusing them would spare no task an attempt, since a container's
-503 reaches the dispatcher as a ModelError, a failed attempt of every task in
-the call, as a `model_error` answer is.
+which any task succeeds starts the count again. From then on invocations are
+refused too, before anything is read or run: HTTP 503 with the error body's
+code `model_broken` (MODEL_BROKEN). Until the replacement lands, answering
+them would fail every task of every call, spending an attempt of every task in
+the queues; the dispatcher reads this refusal (a ModelError whose
+OriginalStatusCode is 503 and whose body's code is `model_broken`) as a call
+that ran nothing, and hands its tasks back to SQS without spending an attempt,
+as the EKS worker that stops hands back its messages.
 
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
@@ -80,6 +84,11 @@ JSON = "application/json"
 # modules (sluice.isolation).
 BROKEN_AFTER = 3
 MODEL_ERROR = "model_error"
+# The error code of the 503 that refuses every invocation once the model is
+# broken: the dispatcher Lambda (lambdas/dispatcher/dispatch.py, _MODEL_BROKEN,
+# kept equal by a test) reads it as a call that ran nothing. Defined on both
+# sides, not shared: sluice.contract leaves error codes free-form strings.
+MODEL_BROKEN = "model_broken"
 
 
 class RequestError(Exception):
@@ -106,11 +115,15 @@ class Endpoint:
         self.max_payload_bytes = max_payload_bytes
         self.max_batch_size = max_batch_size  # SLUICE_MAX_BATCH_SIZE; each model's own limit applies too
         self._locks = {name: threading.Lock() for name in models}
-        self.broken = False  # for good: /ping answers 503 until SageMaker replaces the instance
+        self.broken = False  # for good: /ping and invocations answer 503 until SageMaker replaces the instance
         self._failed_in_a_row = 0
         self._watch = threading.Lock()  # calls for different models run at once
 
     def invoke(self, body: bytes, content_type: str | None) -> EndpointResult | EndpointTasksReply:
+        if self.broken:  # nothing is read or run: the caller hands the tasks back
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, MODEL_BROKEN,
+                               f"the model failed every task of {BROKEN_AFTER} calls in a row; this instance "
+                               "takes no more calls and waits to be replaced")
         if content_type and content_type.split(";")[0].strip().lower() not in (JSON, "application/x-json"):
             raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type",
                                f"send {JSON}, not {content_type}")
@@ -194,8 +207,8 @@ class Endpoint:
             # says nothing about the device: the count stays as it is.
             if self._failed_in_a_row >= BROKEN_AFTER and not self.broken:
                 self.broken = True
-                log.error("the model failed every task of %d calls in a row: /ping answers 503 from now on, "
-                          "for SageMaker to replace this instance", self._failed_in_a_row)
+                log.error("the model failed every task of %d calls in a row: /ping and invocations answer 503 from now "
+                          "on, for SageMaker to replace this instance", self._failed_in_a_row)
 
     def _predict(self, model, inputs: list[str]) -> list:
         limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)

@@ -20,10 +20,13 @@ Dispatcher); the parts run concurrently. An invocation that fails as a whole
 is a failed attempt of every task in it, and a task it does not answer is a
 failed attempt of that task. One that SageMaker turned away before any container saw it
 (throttled, unavailable, no model ready, no connection), or that the container
-refused as `unknown_model` (a model the API took before a deploy brought it to
-the endpoint; the EKS worker hands such a task back too), ran nothing: no
-outcome is written, the claim's recorded start is taken back (lifecycle.unclaim)
-and SQS delivers the messages again, so an endpoint outage does not spend
+refused before running any task, ran nothing: its 400 `unknown_model` (a model
+the API took before a deploy brought it to the endpoint; the EKS worker hands
+such a task back too) or its 503 `model_broken` (an instance whose model failed
+every task of several calls in a row, waiting for SageMaker to replace it; the
+EKS worker stops and hands its messages back too). No outcome is written,
+the claim's recorded start is taken back (lifecycle.unclaim) and SQS delivers
+the messages again, so an endpoint outage or a broken instance does not spend
 attempts, as a dependency outage does not on EKS.
 """
 
@@ -60,8 +63,14 @@ log = logging.getLogger("sluice.dispatcher")
 # SageMaker's answers for a call no container saw (InvokeEndpoint's errors).
 # Not InternalFailure: it does not say that no container ran the call.
 _TURNED_AWAY = {"ThrottlingException", "ServiceUnavailable", "ModelNotReadyException"}
-# serve.py's 400 for a model it does not serve: refused before any task ran.
+# serve.py's refusals of a whole call before any task ran, as (the container's
+# HTTP status, its error body's code): a model it does not serve, and an
+# instance whose model is broken (serve.py's MODEL_BROKEN, kept equal by a test;
+# not imported: serve.py loads the models, torch with them). Any other status
+# or code, a 503 or a 500 included, may have run the tasks: a failed attempt.
 _UNSERVED_MODEL = "unknown_model"
+_MODEL_BROKEN = "model_broken"
+_REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN)}
 # The endpoint's per-task verdicts that every attempt would repeat.
 _PERMANENT = {INVALID_INPUT, "validation_error"}
 
@@ -252,14 +261,16 @@ def _task(job: Job) -> EndpointTask:
 def _turned_away(exc: Exception) -> bool:
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code")
-        return code in _TURNED_AWAY or (code == "ModelError" and _container_error(exc.response) == _UNSERVED_MODEL)
+        return code in _TURNED_AWAY or (code == "ModelError" and _container_error(exc.response) in _REFUSED_UNRUN)
     # No connection was made (a read timeout, by contrast, may have run the model).
     return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
 
 
-def _container_error(response: dict) -> str | None:
-    """The error code of serve.py's 400 answer within a ModelError, if that is what it holds."""
-    if response.get("OriginalStatusCode") != 400:
+def _container_error(response: dict) -> tuple[int, str] | None:
+    """The container's HTTP status and the code of serve.py's error body within
+    a ModelError, if that is what it holds, whatever the status."""
+    status = response.get("OriginalStatusCode")
+    if not isinstance(status, int):
         return None
     # SageMaker passes the container's body on as OriginalMessage, and quotes it in Message.
     body = response.get("OriginalMessage")
@@ -267,7 +278,7 @@ def _container_error(response: dict) -> str | None:
         quoted = re.search(r'with message "(.*)"', response.get("Error", {}).get("Message", ""), re.DOTALL)
         body = quoted and quoted.group(1)
     try:
-        return ErrorResponse.model_validate_json(body).error.code if body else None
+        return (status, ErrorResponse.model_validate_json(body).error.code) if body else None
     except ValueError:  # not serve.py's error body
         return None
 

@@ -17,6 +17,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 import boto3
@@ -72,7 +73,8 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
             return self._send(200, serve.body_of(self.endpoint.invoke(body, self.headers.get("Content-Type"))))
         except RequestError as err:
             original = serve.body_of(err.reply()).decode()
-            message = f"Received client error ({err.status.value}) from primary with message \"{original}\"."
+            kind = "server" if err.status.value >= 500 else "client"
+            message = f"Received {kind} error ({err.status.value}) from primary with message \"{original}\"."
             error = {"message": message, "OriginalStatusCode": err.status.value}
             if self.sends_original_message:
                 error["OriginalMessage"] = original
@@ -422,6 +424,54 @@ def test_a_model_the_endpoint_does_not_serve_yet_spends_no_attempt(dispatch, set
     assert len(SageMakerRuntime.calls) == 1
     record = TaskStore(settings).get(task_id)
     assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
+@pytest.mark.parametrize("sends_original_message", [True, False])
+def test_an_endpoint_whose_model_is_broken_spends_no_attempt(dispatch, settings, monkeypatch,
+                                                             sends_original_message):
+    # The model failed every task of serve.BROKEN_AFTER calls in a row: serve.py
+    # refuses every call (503 model_broken) before any task runs, while SageMaker
+    # replaces the instance. Even on the last delivery, the tasks are handed back
+    # untouched rather than failed by an instance that cannot run them.
+    monkeypatch.setattr(SageMakerRuntime, "sends_original_message", sends_original_message)
+    monkeypatch.setattr(SageMakerRuntime.endpoint, "broken", True)
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
+    event = sqs_event(settings, 2, receive_count=3)
+    SageMakerRuntime.calls.clear()
+    assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
+    assert len(SageMakerRuntime.calls) == 1  # the container saw the call, and refused it
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
+@pytest.mark.parametrize(("status", "code"), [
+    (HTTPStatus.SERVICE_UNAVAILABLE, "overloaded"),
+    (HTTPStatus.SERVICE_UNAVAILABLE, "unknown_model"),
+    (HTTPStatus.INTERNAL_SERVER_ERROR, "model_broken"),
+    (HTTPStatus.BAD_REQUEST, "model_broken"),
+])
+def test_another_refusal_of_the_whole_call_from_the_container_is_a_failed_attempt(dispatch, settings, monkeypatch,
+                                                                                 status, code):
+    # Only the status and code serve.py refuses with before any task runs say
+    # that nothing ran: any other 503 or 500 may come from a call that ran them.
+    def refuse(body, content_type):
+        raise RequestError(status, code, "refused")
+
+    monkeypatch.setattr(SageMakerRuntime.endpoint, "invoke", refuse)
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    event = sqs_event(settings, 1)
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    assert_one_failed_attempt(settings, ids, f"({status.value}) from primary with message")
+    assert_one_failed_attempt(settings, ids, code)
+
+
+def test_the_dispatcher_reads_the_broken_endpoint_s_refusal_by_the_code_serve_py_sends():
+    from lambdas.dispatcher import dispatch as dispatch_module
+
+    assert dispatch_module._MODEL_BROKEN == serve.MODEL_BROKEN
+    assert (503, serve.MODEL_BROKEN) in dispatch_module._REFUSED_UNRUN
 
 
 def test_another_400_from_the_container_is_a_failed_attempt(dispatch, settings, monkeypatch):

@@ -285,13 +285,29 @@ def test_ping_answers_503_once_the_model_failed_every_task_of_broken_after_calls
     fail_every_task(port, 1)
     status, body = call(port, "GET", "/ping")
     assert status == 503 and body["status"] == "broken", body
-    # Invocations are still answered: the dispatcher reads a container's 503 as a
-    # ModelError, a failed attempt of every task, as it reads these answers.
-    fail_every_task(port, 1)
     # For good: SageMaker replaces the instance; a sticky CUDA error does not heal.
     model.broken = False
-    assert call(port, "POST", "/invocations", tasks_of("a", "b"))[0] == 200
+    assert call(port, "POST", "/invocations", tasks_of("a", "b"))[0] == 503
     assert call(port, "GET", "/ping")[0] == 503
+
+
+@pytest.mark.parametrize("request_body", [tasks_of("a", "b"), {"inputs": ["a"]}, b"{not json"],
+                         ids=["many-task", "single-task", "unreadable"])
+def test_once_broken_an_invocation_is_refused_with_503_model_broken_and_runs_nothing(server, request_body):
+    # Answered, every task of every call would fail until the replacement lands,
+    # spending an attempt of every task in the queues. The dispatcher reads this
+    # 503 as a call that ran nothing, and hands its tasks back to SQS.
+    from sluice.contract import ErrorResponse
+
+    port, model = server
+    model.broken = True
+    fail_every_task(port, serve.BROKEN_AFTER)
+    model.entered.clear()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    status, body = call(port, "POST", "/invocations", request_body, conn=conn)
+    assert status == 503 and ErrorResponse.model_validate(body).error.code == serve.MODEL_BROKEN == "model_broken"
+    assert not model.entered.is_set()  # the model was not called
+    assert call(port, "GET", "/ping", conn=conn)[0] == 503  # the connection is still good
 
 
 def test_one_failing_task_a_call_is_a_poison_input_and_never_turns_ping_unhealthy(server):
