@@ -37,6 +37,12 @@ class TaskExists(Exception):
         self.existing = existing
 
 
+class Unprocessed(RuntimeError):
+    """DynamoDB still left part of a batch unprocessed after every retry: its
+    answer to throttling, so the table is busy (the API answers 503), not the
+    request wrong."""
+
+
 class TransitionRejected(Exception):
     """The task was not in a status that allows the requested change."""
 
@@ -131,20 +137,30 @@ class TaskStore:
         """`token` names the submit that wrote the record; only that submit's
         compensation may delete it (see delete_if_queued)."""
         item = to_item(record.model_copy(update={"submit_token": token}) if token else record)
-        try:
-            self.ddb.put_item(
-                TableName=self.table,
-                Item=item,
-                ConditionExpression="attribute_not_exists(task_id)",
-                ReturnValuesOnConditionCheckFailure="ALL_OLD",
-            )
-        except ClientError as err:
-            if _code(err) == "ConditionalCheckFailedException":
+        # Twice at most. An emulator that does not return the existing record
+        # (dynalite) has it read back, and a submit's rollback may delete it in
+        # between: the id is then free again, so the put is tried afresh.
+        for _ in range(2):
+            try:
+                self.ddb.put_item(
+                    TableName=self.table,
+                    Item=item,
+                    ConditionExpression="attribute_not_exists(task_id)",
+                    ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                )
+                return
+            except ClientError as err:
+                if _code(err) != "ConditionalCheckFailedException":
+                    raise
                 old = err.response.get("Item") or self.ddb.get_item(
                     TableName=self.table, Key=_key(record.task_id), ConsistentRead=True
                 ).get("Item")
-                raise TaskExists(from_item(old)) from None
-            raise
+                if old:
+                    raise TaskExists(from_item(old)) from None
+                vanished = err
+        # Taken at each put and gone at each read: a table in flux, answered
+        # like any failed write (the caller rolls back its own and answers 503).
+        raise vanished
 
     def create_many(self, records: list[TaskRecord], token: str | None = None) -> None:
         """Write fresh records (their ids are new, so no condition is needed).
@@ -156,7 +172,7 @@ class TaskStore:
             left = _until_processed(
                 lambda r: self.ddb.batch_write_item(RequestItems=r).get("UnprocessedItems") or {}, request)
             if left:
-                raise RuntimeError(f"{len(left[self.table])} task records were not written")
+                raise Unprocessed(f"{len(left[self.table])} task records were not written")
 
     def get(self, task_id: str) -> TaskRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
@@ -184,7 +200,7 @@ class TaskStore:
 
             left = _until_processed(read, request)
             if left:
-                raise RuntimeError(f"{len(left[self.table]['Keys'])} task records could not be read")
+                raise Unprocessed(f"{len(left[self.table]['Keys'])} task records could not be read")
         return items
 
     def delete_if_queued(self, task_id: str, token: str | None = None) -> None:

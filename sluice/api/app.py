@@ -2,11 +2,13 @@
 # No `from __future__ import annotations`: FastAPI must resolve the local
 # `Tenant` dependency annotation at definition time.
 
+import asyncio
+import json
 import logging
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice import __version__
 from sluice.adapters.api_keys import ApiKeys
+from sluice.adapters.task_store import Unprocessed
 from sluice.api.errors import ApiError, unavailable
 from sluice.api.service import TaskService
 from sluice.api.waiter import CompletionWaiter
@@ -146,11 +149,20 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+def _field_part(part) -> str:
+    # A key that would vanish from the dotted path (empty) or split it (holding
+    # a dot) is quoted; metadata keys are the client's own strings.
+    text = str(part)
+    return json.dumps(text) if text == "" or "." in text else text
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     details = []
     malformed = False
     for e in exc.errors():
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        loc = [_field_part(p) for p in e.get("loc", ())]
+        if loc[:1] == ["body"]:  # where FastAPI says the body starts; a field named "body" stays
+            loc = loc[1:]
         if e.get("type") == "json_invalid":
             # Its location is a character offset into the body, not a field.
             malformed = True
@@ -198,18 +210,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        # FastAPI reads a body as JSON only when it says it is; any other body
-        # fails the schema, which would blame the fields for a missing header
-        # (curl -d sends application/x-www-form-urlencoded).
+        # FastAPI reads a body as JSON only when it says it is; any other body,
+        # or one sent with no Content-Type at all, fails the schema, which would
+        # blame the fields for a missing header (curl -d sends
+        # application/x-www-form-urlencoded). No header and no body: the body is missing (422).
         content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and content_type and not _is_json(content_type):
+        if request.method == "POST" and not _is_json(content_type) and (content_type or exc.body):
+            rule = f"must be application/json, not {content_type}" if content_type else \
+                "must be application/json; the request has none"
             err = ApiError(415, "unsupported_media_type", "send the body as JSON: Content-Type: application/json",
-                           [ErrorDetail(field="content-type", rule=f"must be application/json, not {content_type}")])
+                           [ErrorDetail(field="content-type", rule=rule)])
             return JSONResponse(err.body(), status_code=415)
         return _validation_error(exc)
 
     @app.exception_handler(BotoCoreError)
     @app.exception_handler(ClientError)
+    @app.exception_handler(Unprocessed)  # the table throttled a batch read past its retries
     async def _dependency(_: Request, exc: Exception):
         # Never a stack trace to the client: the cause goes to the log only.
         log.warning("dependency call failed: %s", type(exc).__name__)
@@ -252,14 +268,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     Tenant = Annotated[str, Depends(tenant)]
 
+    # Both probes run on the event loop: a plain `def` route waits for a request
+    # thread, and submits waiting on a slow table can hold all of them; the
+    # probes would then miss their timeouts and an orchestrator restart a healthy API.
     @app.get("/health", tags=["ops"], response_model=Health)
-    def health() -> Health:
+    async def health() -> Health:
         """Liveness: the process answers. Touches no dependency."""
         return Health(status="ok")
 
     @app.get("/ready", tags=["ops"], response_model=Readiness,
              responses={503: {"model": Readiness, "description": "A dependency does not answer."}})
-    def ready() -> JSONResponse:
+    async def ready() -> JSONResponse:
         """Readiness: the table, the queues and the bucket answer, within READY_BUDGET_S."""
         probes = {
             "tasks_table": lambda: client("dynamodb", settings).describe_table(TableName=settings.tasks_table),
@@ -267,14 +286,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "queues": lambda: [service.queues.depth(p) for p in Priority],
             "bucket": lambda: client("s3", settings).head_bucket(Bucket=settings.bucket),
         }
-        running = {name: ready_probes.submit(probe) for name, probe in probes.items()}
+        running = {name: asyncio.wrap_future(ready_probes.submit(probe)) for name, probe in probes.items()}
         # A hung dependency answers nothing until the SDK gives up (about 15 s);
         # a probe that has not answered by then is not ready, and is left to end
         # on its own in the small pool (so repeated probes cannot pile up threads).
-        wait(running.values(), timeout=READY_BUDGET_S)
+        await asyncio.wait(running.values(), timeout=READY_BUDGET_S)
         checks = {}
         for name, future in running.items():
             if not future.done():
+                # Drops a probe still queued behind hung ones; one running ends on its own.
+                future.cancel()
                 checks[name] = "no_answer"
             else:
                 error = future.exception()

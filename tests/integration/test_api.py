@@ -1,7 +1,12 @@
 """The HTTP API against the emulator: auth, validation, idempotency, cancel."""
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+from botocore.client import BaseClient
+from botocore.exceptions import ClientError
+
+from sluice.adapters import task_store
 from sluice.adapters.api_keys import ApiKeys
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
@@ -118,6 +123,9 @@ def test_another_tenants_task_is_not_found(api):
         ({"inputs": ["x"]}, 422, "model"),
         ({"model": "synthetic", "inputs": ["x"], "deadline_s": "10"}, 422, "deadline_s"),
         ({"model": "synthetic", "inputs": ["x"], "deadline_s": True}, 422, "deadline_s"),
+        # A metadata key is the client's own string: one named "body" is not the body, an empty one is quoted.
+        ({"model": "synthetic", "inputs": ["x"], "metadata": {"body": "v" * 257}}, 422, "metadata.body"),
+        ({"model": "synthetic", "inputs": ["x"], "metadata": {"": "v"}}, 422, 'metadata."".[key]'),
     ],
 )
 def test_invalid_requests_name_the_field_and_leave_nothing_behind(api, settings, body, status, field):
@@ -280,6 +288,78 @@ def test_a_body_not_sent_as_json_is_415_naming_the_header(api):
     sent = api.post("/v1/tasks", content=body,
                     headers={"x-api-key": api.key_a, "content-type": "application/json; charset=utf-8"})
     assert sent.status_code == 202
+
+
+def test_a_body_sent_without_a_content_type_is_415_naming_the_header(api, settings):
+    # FastAPI leaves such a body unread, so the schema would blame the body for a missing header.
+    for path, body in (("/v1/tasks", b'{"model": "synthetic", "inputs": ["a"]}'),
+                       ("/v1/tasks/batch", b'{"tasks": [{"model": "synthetic", "inputs": ["a"]}]}')):
+        response = api.post(path, content=body, headers={"x-api-key": api.key_a})
+        assert "content-type" not in response.request.headers
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_media_type"
+        assert [d["field"] for d in error["details"]] == ["content-type"] and error["details"][0]["rule"]
+    # Neither a header nor a body: it is the body that is missing.
+    empty = api.post("/v1/tasks", headers={"x-api-key": api.key_a})
+    assert empty.status_code == 422 and empty.json()["error"]["details"][0]["field"] == "body", empty.text
+    assert nothing_recorded(settings)
+
+
+def _put_finds_a_record_that_is_gone_when_read(settings, monkeypatch, times: int) -> list[str]:
+    """What dynalite (`make run`) does when a submit's rollback deletes the
+    record between a conditional put that found it and the read back of it:
+    the put fails without returning the record, and the read finds none.
+    Returns the task ids this happened to."""
+    real, vanished = BaseClient._make_api_call, []
+
+    def put(client, operation, params):
+        if operation != "PutItem" or params["TableName"] != settings.tasks_table or len(vanished) >= times:
+            return real(client, operation, params)
+        key = {"task_id": params["Item"]["task_id"]}
+        real(client, "DeleteItem", {"TableName": settings.tasks_table, "Key": key})
+        vanished.append(key["task_id"]["S"])
+        raise ClientError({"Error": {"Code": "ConditionalCheckFailedException", "Message": "found"}}, "PutItem")
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", put)
+    return vanished
+
+
+def test_an_idempotent_retry_whose_record_vanishes_before_it_is_read_creates_it_afresh(api, settings, monkeypatch):
+    store = TaskStore(settings)
+    first = submit(api, api.key_a, **{"Idempotency-Key": "gone-1"}).json()
+    first_token = store.get(first["task_id"]).submit_token
+    vanished = _put_finds_a_record_that_is_gone_when_read(settings, monkeypatch, times=1)
+    again = submit(api, api.key_a, **{"Idempotency-Key": "gone-1"})
+    assert vanished == [first["task_id"]]
+    assert again.status_code == 202, again.text
+    assert again.json()["task_id"] == first["task_id"] and again.json()["status"] == "queued"
+    assert store.get(first["task_id"]).submit_token not in (None, first_token)
+
+
+def test_an_idempotent_submit_whose_record_keeps_vanishing_is_503_and_leaves_nothing(api, settings, monkeypatch):
+    vanished = _put_finds_a_record_that_is_gone_when_read(settings, monkeypatch, times=1000)
+    response = submit(api, api.key_a, **{"Idempotency-Key": "gone-2"})
+    assert response.status_code == 503 and response.headers["Retry-After"], response.text
+    assert len(vanished) == 2  # the put was tried afresh once
+    assert response.json()["error"]["code"] == "dependency_unavailable"
+    assert nothing_recorded(settings)
+
+
+def test_a_long_poll_the_table_keeps_throttling_is_503_with_retry_after(api, monkeypatch):
+    task_id = submit(api, api.key_a).json()["task_id"]
+    real = BaseClient._make_api_call
+
+    def throttled(client, operation, params):
+        if operation == "BatchGetItem":  # DynamoDB's answer to throttling: the keys back, unread
+            return {"Responses": {}, "UnprocessedKeys": params["RequestItems"]}
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", throttled)
+    monkeypatch.setattr(task_store, "time", SimpleNamespace(sleep=lambda _: None))  # no backoff between tries
+    response = api.get(f"/v1/tasks/{task_id}?wait_s=2", headers={"x-api-key": api.key_a})
+    assert response.status_code == 503 and response.headers["Retry-After"], response.text
+    assert response.json()["error"]["code"] == "dependency_unavailable"
 
 
 def test_the_openapi_document_lists_each_routes_own_errors(api):
