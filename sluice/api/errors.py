@@ -30,9 +30,12 @@ def not_found(task_id: str) -> ApiError:
 
 
 def unavailable(what: str, retry_after_s: int = 5) -> ApiError:
+    # It does not say whether anything was recorded: a submit with an
+    # Idempotency-Key may have been (a batch cut mid-way, a replay), and its
+    # retry with the same key resumes it exactly.
     return ApiError(
         503,
         "dependency_unavailable",
-        f"{what} is unavailable; nothing was recorded, retry later",
+        f"{what} is unavailable; retry later, with the same Idempotency-Key if the request had one",
         headers={"Retry-After": str(retry_after_s)},
     )

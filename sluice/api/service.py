@@ -8,8 +8,9 @@ be a task `queued` forever with no message to run it.
 
 With an Idempotency-Key the task id is derived from (tenant, key), so a retried
 submit finds the task it created the first time. Each submit writes its own
-token on the record; a retry that re-sends the message first claims the record
+token on the record; a retry re-sends the message and then claims the record
 with its token, so the first try's pending compensation can no longer delete it.
+A retry never deletes a record: the task may be one already accepted (202).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sluice.api.backlog import QueueBacklog
 from sluice.api.errors import ApiError, not_found, unavailable
 from sluice.api.group_commit import GroupCommit
 from sluice.contract import (
+    MESSAGE_RETENTION_S,
     BatchAccepted,
     BatchSubmitRequest,
     ErrorDetail,
@@ -109,15 +111,19 @@ class Compensator:
 
     def _run(self) -> None:
         backoff = 0.5
+        held: tuple[str, str, float] | None = None  # a failed delete that found the queue full
         while True:
-            try:
-                task_id, token, since = self._pending.get(timeout=60)
-            except queue.Empty:
-                with self._lock:  # an item put while this thread decided to stop would wait forever
-                    if self._pending.empty():
-                        self._thread = None
-                        return
-                continue
+            if held is not None:
+                (task_id, token, since), held = held, None
+            else:
+                try:
+                    task_id, token, since = self._pending.get(timeout=60)
+                except queue.Empty:
+                    with self._lock:  # an item put while this thread decided to stop would wait forever
+                        if self._pending.empty():
+                            self._thread = None
+                            return
+                    continue
             try:
                 self.store.delete_if_queued(task_id, token)
                 backoff = 0.5
@@ -125,7 +131,13 @@ class Compensator:
                 if time.monotonic() - since > self.give_up_s:
                     log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
                     continue
-                self._pending.put((task_id, token, since))
+                try:
+                    self._pending.put_nowait((task_id, token, since))
+                except queue.Full:
+                    # Requests filled the queue while this delete was tried. This
+                    # thread is the queue's only reader, so a blocking put would
+                    # wait for ever: the delete is retried in place instead.
+                    held = (task_id, token, since)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
@@ -188,7 +200,12 @@ class TaskService:
             created_at=created,
             deadline_at=deadline_at,
             metadata=request.metadata,
-            expires_at=created // 1000 + self.settings.result_ttl_days * 86400,
+            # Not before the task's message can have run (SQS keeps one up to
+            # MESSAGE_RETENTION_S; a worker drops a message whose record is gone,
+            # as a rolled-back submit's), nor within the TTL of its deadline.
+            # The outcome write renews it to the TTL from finishing (sluice.lifecycle).
+            expires_at=max(created // 1000 + MESSAGE_RETENTION_S,
+                           (deadline_at or created) // 1000 + self.settings.result_ttl_days * 86400),
         )
         message = TaskMessage(
             task_id=task_id,
@@ -202,17 +219,27 @@ class TaskService:
         )
         return record, message
 
-    def _claim_check(self, record: TaskRecord, message: TaskMessage) -> None:
-        """Large inputs go to S3; the message carries only their key."""
+    def _claim_check(self, record: TaskRecord, message: TaskMessage, stored: bool = False) -> None:
+        """Large inputs go to S3; the message carries only their key. `stored`:
+        they are there already (a record is written only after its inputs)."""
         body = json.dumps(message.inputs).encode()
         if len(body) > self.settings.inline_payload_max_bytes:
             key = self.payloads.inputs_key(message.tenant_id, message.task_id, record.request_hash)
-            self.payloads.put_json(key, body)
+            if not stored:
+                self.payloads.put_json(key, body)
             message.inputs, message.inputs_key = None, key
 
     def submit(self, tenant_id: str, request: SubmitRequest, idempotency_key: str | None) -> TaskAccepted:
-        self._check_model(request)
-        depth = self._check_backlog(request.priority)
+        try:
+            self._check_model(request)
+            depth = self._check_backlog(request.priority)
+        except ApiError:
+            if idempotency_key:
+                retried = self._retry_of_accepted(
+                    tenant_id, [(idempotent_task_id(tenant_id, idempotency_key), request, request_hash(request))])
+                if retried is not None:
+                    return retried[0]
+            raise
         if not idempotency_key:
             # A fresh id cannot collide, so the record needs no condition and
             # can share a write with other submits (sluice.api.group_commit).
@@ -238,7 +265,7 @@ class TaskService:
                 self._claim_check(record, message)
                 self.store.create(record, token)
             except TaskExists as exists:
-                accepted = self._replay(exists.existing, record, message, token, depth)
+                accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
                 if accepted is not None:
                     return accepted
                 continue
@@ -285,6 +312,7 @@ class TaskService:
         return {i: unavailable("the queue") for i, m in enumerate(messages) if m.task_id in lost}
 
     def _send(self, message: TaskMessage, token: str) -> None:
+        """A first submit's message; its record is rolled back if it cannot be sent."""
         try:
             self.queues.send(message)
         except (BotoCoreError, ClientError):
@@ -293,10 +321,10 @@ class TaskService:
         self.backlog.sent(message.priority, 1)
 
     def _replay(
-        self, existing: TaskRecord, record: TaskRecord, message: TaskMessage, token: str, depth: int
+        self, existing: TaskRecord, request: SubmitRequest, fingerprint: str, token: str, depth: int
     ) -> TaskAccepted | None:
         """The task this Idempotency-Key created; None if it vanished meanwhile."""
-        if existing.request_hash != record.request_hash:
+        if existing.request_hash != fingerprint:
             raise ApiError(
                 409,
                 "idempotency_conflict",
@@ -305,31 +333,90 @@ class TaskService:
             )
         if existing.status != TaskStatus.queued:
             return self._accepted(existing, depth)
-        # The first try may have died between record and message: claim the
-        # record, then send again. A duplicate message is harmless: the worker
-        # runs a task only once.
+        # The first try may have died between record and message: send again,
+        # then claim the record. A duplicate message is harmless: the worker
+        # runs a task only once. Sending first means a failure leaves the record
+        # as it was: it may be a task already accepted with its message queued,
+        # so a replay never rolls it back (and the first try's own pending
+        # rollback, if any, still applies to a record that has no message).
+        message = self._message_of(existing, request)
+        self._claim_check(existing, message, stored=True)
+        try:
+            self.queues.send(message)
+        except (BotoCoreError, ClientError):
+            raise unavailable("the queue") from None
+        self.backlog.sent(message.priority, 1)
         try:
             self.store.apply(Change(existing.task_id, {"submit_token": token}, (TaskStatus.queued,)))
         except TransitionRejected as rejected:
             return None if rejected.current is None else self._accepted(rejected.current, depth)
         except (BotoCoreError, ClientError):
-            # The claim may have landed: the record is then ours to undo, as in
-            # submit; this reply tells the client that nothing is recorded.
-            self.compensator.undo([existing.task_id], token)
+            # The claim may or may not have landed; the record stays either way.
+            # If the first try's rollback deletes it, the worker drops the
+            # message just sent and the client's next retry creates the task.
             raise unavailable("the task store") from None
-        self._send(message, token)
         return self._accepted(existing, depth)
 
+    @staticmethod
+    def _message_of(record: TaskRecord, request: SubmitRequest) -> TaskMessage:
+        """A recorded task's message, as its first try sent it: a worker checks
+        only the message's deadline, so it is the record's, not one counted
+        from a retry."""
+        return TaskMessage(
+            task_id=record.task_id,
+            tenant_id=record.tenant_id,
+            model=record.model,
+            priority=record.priority,
+            input_count=record.input_count,
+            inputs=request.inputs,
+            deadline_at=record.deadline_at,
+            enqueued_at=record.created_at,
+        )
+
+    def _retry_of_accepted(
+        self, tenant_id: str, tasks: list[tuple[str, SubmitRequest, str]]
+    ) -> list[TaskAccepted] | None:
+        """For a submit with an Idempotency-Key that the model or backlog checks
+        refuse, given (task id, request, fingerprint) per task: it may be the
+        retry of one already accepted (its reply lost), which gets its tasks
+        back whatever the queue holds or the models served now. None when any
+        task is still to be created: only creating one is checked."""
+        try:
+            existing = self.store.get_many(task_id for task_id, _, _ in tasks)
+        except (BotoCoreError, ClientError, RuntimeError):
+            raise unavailable("the task store") from None
+        if len(existing) < len(tasks):
+            return None
+        token = secrets.token_hex(8)
+        accepted = []
+        for task_id, request, fingerprint in tasks:
+            record = existing[task_id]
+            replayed = self._replay(record, request, fingerprint, token, self.backlog.estimate(record.priority))
+            if replayed is None:  # rolled back meanwhile: it is to be created again
+                return None
+            accepted.append(replayed)
+        return accepted
+
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
-        for i, request in enumerate(batch.tasks):
-            self._check_model(request, field=f"tasks.{i}.model")
-        depths = {p: self._check_backlog(p) for p in {r.priority for r in batch.tasks}}
+        whole = request_hash(batch) if idempotency_key else None
+        try:
+            for i, request in enumerate(batch.tasks):
+                self._check_model(request, field=f"tasks.{i}.model")
+            depths = {p: self._check_backlog(p) for p in {r.priority for r in batch.tasks}}
+        except ApiError:
+            if idempotency_key:
+                retried = self._retry_of_accepted(tenant_id, [
+                    (batch_task_id(tenant_id, idempotency_key, i), request, f"{whole}#{i}")
+                    for i, request in enumerate(batch.tasks)
+                ])
+                if retried is not None:
+                    return BatchAccepted(tasks=retried)
+            raise
         if idempotency_key:
             # Each task is created once under its own id, so a retried batch
             # resumes exactly where it stopped. Each must match the whole batch,
             # so a key reused for another batch is refused at its first task,
             # before any record or message is written.
-            whole = request_hash(batch)
             return BatchAccepted(
                 tasks=[
                     self._submit_once(tenant_id, request, batch_task_id(tenant_id, idempotency_key, i),
@@ -408,6 +495,11 @@ class TaskService:
                 Change(task_id, {"status": TaskStatus.cancelled.value, "finished_at": now_ms()}, (TaskStatus.queued,))
             )
         except TransitionRejected as rejected:
-            status = rejected.current.status.value if rejected.current else "gone"
-            raise ApiError(409, "not_cancellable", f"task {task_id} is {status}; a task can be cancelled only until its outcome is recorded")
+            current = rejected.current
+            if current is None:  # rolled back since it was read
+                raise not_found(task_id) from None
+            if current.status == TaskStatus.cancelled:
+                # A cancel that raced this one won: the same answer as a repeated cancel.
+                return current.to_view()
+            raise ApiError(409, "not_cancellable", f"task {task_id} is {current.status.value}; a task can be cancelled only until its outcome is recorded")
         return updated.to_view()

@@ -15,8 +15,8 @@ from models.synthetic import SyntheticModel
 
 from sluice.adapters.queues import PriorityQueues
 from sluice.api.errors import ApiError
-from sluice.api.service import TaskService, idempotent_task_id
-from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskStatus
+from sluice.api.service import Compensator, TaskService, idempotent_task_id
+from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskRecord, TaskStatus, now_ms
 from sluice.worker.runner import BatchRunner
 from tests.reliability.harness import wait_until
 
@@ -95,6 +95,84 @@ def test_an_idempotent_retry_keeps_the_record_its_first_try_was_rolling_back(ser
     # The first try's rollback no longer applies: the task has its record and its message.
     assert record is not None and record.status == TaskStatus.queued
     assert visible(settings) == 1
+
+
+def test_a_retry_whose_message_cannot_be_sent_keeps_the_task_its_first_try_queued(service, settings):
+    accepted = service.submit("t", REQUEST, "key-2")  # 202: record and message
+    real_send = service.queues.send
+    service.queues.send = cut
+    with pytest.raises(ApiError) as refused:
+        service.submit("t", REQUEST, "key-2")  # the client's retry (its first reply lost), the queue down
+    service.queues.send = real_send
+    assert refused.value.status == 503
+    # Nothing rolled back the accepted task, nor is waiting to.
+    assert service.compensator.pending() == 0
+    record = service.store.get(accepted.task_id)
+    assert record is not None and record.status == TaskStatus.queued
+    assert visible(settings) == 1
+
+
+def test_a_retry_whose_claim_reply_is_lost_keeps_the_task_its_first_try_queued(service, settings):
+    accepted = service.submit("t", REQUEST, "key-3")
+    real_apply = service.store.apply
+
+    def lands_then_cut(change):
+        real_apply(change)
+        cut()
+
+    service.store.apply = lands_then_cut
+    with pytest.raises(ApiError) as refused:
+        service.submit("t", REQUEST, "key-3")
+    service.store.apply = real_apply
+    assert refused.value.status == 503
+    assert service.compensator.pending() == 0
+    record = service.store.get(accepted.task_id)
+    assert record is not None and record.status == TaskStatus.queued
+    assert visible(settings) >= 1  # the first message, and the retry's duplicate
+
+
+def test_a_retry_that_cannot_send_either_leaves_the_first_tries_rollback_to_land(service, settings):
+    table_down = rollbacks_cut_off(service)
+    real_send = service.queues.send
+    service.queues.send = cut
+    for _ in range(2):  # the first try and its retry: neither message goes out
+        with pytest.raises(ApiError):
+            service.submit("t", REQUEST, "key-4")
+    service.queues.send = real_send
+    table_down.clear()
+    # The retry changed nothing, so the first try's pending rollback still applies.
+    wait_until(lambda: only_record(service) == [], 10, "the first try's rollback")
+    assert visible(settings) == 0
+
+
+def test_a_rollback_retried_while_submits_fill_its_backlog_still_lands(service):
+    compensator = Compensator(service.store, max_pending=2)
+    ids = [f"stalled-{i}" for i in range(3)]
+    for task_id in ids:
+        service.store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
+                                        status=TaskStatus.queued, input_count=1, created_at=now_ms()), "token")
+    table_down, background_trying, backlog_full = threading.Event(), threading.Event(), threading.Event()
+    table_down.set()
+    real_delete = service.store.delete_if_queued
+
+    def delete(task_id, token=None):
+        if table_down.is_set():
+            if threading.current_thread().name == "sluice-compensate":
+                background_trying.set()
+                backlog_full.wait(10)  # this try outlasts the submits below, as a timeout would
+            cut()
+        real_delete(task_id, token)
+
+    service.store.delete_if_queued = delete
+    compensator.undo(ids[:1], "token")  # to the background, which takes it off the backlog to try it
+    assert background_trying.wait(10)
+    compensator.undo(ids[1:2], "token")  # two more failed submits meanwhile: the backlog is full
+    compensator.undo(ids[2:], "token")
+    assert compensator.pending() == 2
+    backlog_full.set()  # the background try fails now and finds no room to put its task back
+    table_down.clear()
+    wait_until(lambda: only_record(service) == [], 10, "every rollback, once the table is back",
+               state=lambda: f"pending={compensator.pending()} records={len(only_record(service))}")
 
 
 class CutAfterFirstBatch:

@@ -1,0 +1,183 @@
+"""What a retry with an Idempotency-Key gets back, and how long a task's record
+lasts: in-process TaskService (and worker) against the emulator."""
+
+import itertools
+import threading
+
+import pytest
+from botocore.exceptions import EndpointConnectionError
+
+from sluice.adapters.payload_store import PayloadStore
+from sluice.adapters.queues import PriorityQueues
+from sluice.api.errors import ApiError
+from sluice.api.service import TaskService, batch_task_id
+from sluice.contract import (
+    MAX_DEADLINE_S,
+    MESSAGE_RETENTION_S,
+    BatchSubmitRequest,
+    Priority,
+    SubmitRequest,
+    TaskStatus,
+)
+
+REQUEST = SubmitRequest(model="synthetic", inputs=["again"])
+
+
+def cut(*_, **__):
+    raise EndpointConnectionError(endpoint_url="http://cut")
+
+
+@pytest.fixture
+def service(settings):
+    return TaskService(settings)
+
+
+# ------------------------------------------------- a retry is not refused anew
+
+def test_a_retry_of_an_accepted_task_is_not_refused_when_its_queue_is_full(settings):
+    service = TaskService(settings.model_copy(update={"backlog_cap": 1}))
+    first = service.submit("t", REQUEST, "full-1")
+    with pytest.raises(ApiError) as refused:
+        service.submit("t", REQUEST, "full-2")  # a new task: the queue is at its cap
+    assert refused.value.status == 429
+    again = service.submit("t", REQUEST, "full-1")  # the first one's retry, its reply lost
+    assert again.task_id == first.task_id and again.status == TaskStatus.queued
+
+
+def test_a_retried_batch_is_not_refused_when_its_queue_is_full(settings):
+    service = TaskService(settings.model_copy(update={"backlog_cap": 2}))
+    batch = BatchSubmitRequest(tasks=[REQUEST, SubmitRequest(model="synthetic", inputs=["other"])])
+    first = service.submit_batch("t", batch, "batch-full-1")
+    again = service.submit_batch("t", batch, "batch-full-1")
+    assert [t.task_id for t in again.tasks] == [t.task_id for t in first.tasks]
+    with pytest.raises(ApiError) as refused:
+        service.submit_batch("t", batch, "batch-full-2")
+    assert refused.value.status == 429
+
+
+def test_a_retry_of_an_accepted_task_is_not_refused_when_its_model_is_no_longer_served(settings):
+    first = TaskService(settings).submit("t", REQUEST, "model-1")
+    redeployed = TaskService(settings.model_copy(update={"models": "minilm-embed"}))
+    again = redeployed.submit("t", REQUEST, "model-1")
+    assert again.task_id == first.task_id
+    with pytest.raises(ApiError) as refused:
+        redeployed.submit("t", REQUEST, "model-2")  # a new task for it is refused
+    assert refused.value.status == 422
+
+
+# ------------------------------------------------------- what a replay re-sends
+
+def test_a_replayed_message_keeps_the_records_deadline(service, settings, monkeypatch):
+    request = SubmitRequest(model="synthetic", inputs=["late"], deadline_s=60)
+    task_id = service.submit("t", request, "deadline-1").task_id
+    record = service.store.get(task_id)
+    queues = PriorityQueues(settings)
+    # The first try's message is gone (it died between record and message, say).
+    queues.delete_many(queues.receive(Priority.normal, 10, 1, 30))
+    monkeypatch.setattr("sluice.api.service.now_ms", lambda: record.created_at + 30_000)  # the retry, 30 s on
+    service.submit("t", request, "deadline-1")
+    (resent,) = queues.receive(Priority.normal, 10, 1, 30)
+    message = resent.task()
+    # A worker checks only the message's deadline.
+    assert message.deadline_at == record.deadline_at
+    assert message.enqueued_at == record.created_at
+
+
+def test_a_replayed_message_names_the_inputs_its_first_try_stored(service, settings):
+    inputs = ["L" * 8000] * 10  # over the inline limit: claim-checked
+    request = SubmitRequest(model="synthetic", inputs=inputs)
+    task_id = service.submit("t", request, "big-1").task_id
+    queues = PriorityQueues(settings)
+    queues.delete_many(queues.receive(Priority.normal, 10, 1, 30))
+    service.submit("t", request, "big-1")
+    (resent,) = queues.receive(Priority.normal, 10, 1, 30)
+    message = resent.task()
+    assert message.task_id == task_id and message.inputs is None
+    assert PayloadStore(settings).get_json(message.inputs_key) == inputs
+
+
+def test_a_keyed_batch_cut_mid_way_answers_503_without_saying_nothing_was_recorded(service):
+    batch = BatchSubmitRequest(tasks=[SubmitRequest(model="synthetic", inputs=[f"b{i}"]) for i in range(2)])
+    ids = [batch_task_id("t", "cut-1", i) for i in range(2)]
+    real_send = service.queues.send
+    sends = itertools.count()
+    service.queues.send = lambda message: real_send(message) if next(sends) == 0 else cut()
+    with pytest.raises(ApiError) as refused:
+        service.submit_batch("t", batch, "cut-1")
+    assert refused.value.status == 503 and refused.value.code == "dependency_unavailable"
+    # Its first task is recorded and queued: the answer must not deny it.
+    assert list(service.store.get_many(ids)) == ids[:1]
+    assert "nothing was recorded" not in refused.value.message
+    assert "Idempotency-Key" in refused.value.message
+    service.queues.send = real_send
+    assert [t.task_id for t in service.submit_batch("t", batch, "cut-1").tasks] == ids
+
+
+# ------------------------------------------------------------------- cancel
+
+def test_two_cancels_racing_both_answer_cancelled(service):
+    task_id = service.submit("t", REQUEST, None).task_id
+    both_read = threading.Barrier(2, timeout=10)
+    reads = itertools.count()
+    real_get = service.store.get
+
+    def get(task_id):
+        record = real_get(task_id)
+        if next(reads) < 2:  # each cancel's first read: both see `queued` before either writes
+            both_read.wait()
+        return record
+
+    service.store.get = get
+    answers = []
+
+    def cancel():
+        try:
+            answers.append(service.cancel("t", task_id).status)
+        except ApiError as refused:
+            answers.append(refused.status)
+
+    threads = [threading.Thread(target=cancel) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert answers == [TaskStatus.cancelled, TaskStatus.cancelled]
+
+
+def test_a_cancel_of_a_task_rolled_back_meanwhile_is_not_found(service):
+    task_id = service.submit("t", REQUEST, None).task_id
+    real_get = service.store.get
+
+    def read_then_rolled_back(task_id):
+        record = real_get(task_id)
+        service.store.delete_if_queued(task_id)
+        return record
+
+    service.store.get = read_then_rolled_back
+    with pytest.raises(ApiError) as refused:
+        service.cancel("t", task_id)
+    assert refused.value.status == 404
+
+
+# ---------------------------------------------------------- the record's TTL
+
+def test_a_record_outlives_its_message_and_its_deadline_by_the_ttl(service, settings):
+    ttl_s = settings.result_ttl_days * 86400
+    latest = service.store.get(service.submit("t", SubmitRequest(
+        model="synthetic", inputs=["x"], deadline_s=MAX_DEADLINE_S), "ttl-1").task_id)
+    assert latest.expires_at >= latest.deadline_at // 1000 + ttl_s
+    waiting = service.store.get(service.submit("t", REQUEST, "ttl-2").task_id)
+    assert waiting.expires_at >= waiting.created_at // 1000 + MESSAGE_RETENTION_S
+
+
+def test_a_finished_task_keeps_its_outcome_for_the_ttl_from_finishing(service, settings, runner, monkeypatch):
+    ok = service.submit("t", SubmitRequest(model="synthetic", inputs=["fine"]), None).task_id
+    refused = service.submit("t", SubmitRequest(model="synthetic", inputs=["!fail"]), None).task_id
+    finished_at = service.store.get(ok).created_at + 20 * 86400 * 1000  # it waited 20 days in the queue
+    monkeypatch.setattr("sluice.worker.runner.now_ms", lambda: finished_at)
+    prepared = runner.prepare(PriorityQueues(settings).receive(Priority.normal, 10, 1, 30))
+    runner.finish(prepared, runner.infer(prepared.jobs))
+    for task_id, status in ((ok, TaskStatus.succeeded), (refused, TaskStatus.failed)):
+        record = service.store.get(task_id)
+        assert record.status == status and record.finished_at == finished_at
+        assert record.expires_at == finished_at // 1000 + settings.result_ttl_days * 86400
