@@ -180,6 +180,14 @@ def rewrite_answers(d, monkeypatch, edit) -> None:
     monkeypatch.setattr(d.runtime, "invoke_endpoint", rewritten)
 
 
+def assert_untouched(settings, ids: list[str]) -> None:
+    """Each task is queued as before the call: no attempt, no error (the call ran nothing)."""
+    store = TaskStore(settings)
+    for task_id in ids:
+        record = store.get(task_id)
+        assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+
+
 def assert_one_failed_attempt(settings, ids: list[str], says: str) -> None:
     """Each task is back in its queue with one attempt recorded: a model error whose message says `says`."""
     store = TaskStore(settings)
@@ -301,8 +309,7 @@ def test_a_message_without_inputs_is_not_a_task_and_is_acknowledged(dispatch, se
     SageMakerRuntime.calls.clear()
     assert dispatch(event) == {"batchItemFailures": []}
     assert SageMakerRuntime.calls == []
-    record = TaskStore(settings).get(task_id)
-    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+    assert_untouched(settings, [task_id])
 
 
 def test_an_answer_off_the_contract_is_a_failed_attempt_of_the_whole_call(dispatch, settings, monkeypatch):
@@ -381,12 +388,9 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
     event = sqs_event(settings, 2, receive_count=3)
     response = dispatch(event)
     assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
-    store = TaskStore(settings)
-    for task_id in ids:
-        record = store.get(task_id)
-        assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+    assert_untouched(settings, ids)
 
-    queues = PriorityQueues(settings)
+    queues, store = PriorityQueues(settings), TaskStore(settings)
     for r in event["Records"]:  # what SQS does with them after maxReceiveCount
         queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=r["body"])
     counts = settle_dead(queues, store, [Priority.normal], max_attempts=3)
@@ -405,8 +409,7 @@ def test_an_endpoint_that_cannot_be_reached_spends_no_attempt(dispatch, settings
     (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["x"]})
     event = sqs_event(settings, 1, receive_count=3)
     assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
-    record = TaskStore(settings).get(task_id)
-    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+    assert_untouched(settings, [task_id])
 
 
 @pytest.mark.parametrize("sends_original_message", [True, False])
@@ -422,8 +425,7 @@ def test_a_model_the_endpoint_does_not_serve_yet_spends_no_attempt(dispatch, set
     SageMakerRuntime.calls.clear()
     assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
     assert len(SageMakerRuntime.calls) == 1
-    record = TaskStore(settings).get(task_id)
-    assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+    assert_untouched(settings, [task_id])
 
 
 @pytest.mark.parametrize("sends_original_message", [True, False])
@@ -440,10 +442,7 @@ def test_an_endpoint_whose_model_is_broken_spends_no_attempt(dispatch, settings,
     SageMakerRuntime.calls.clear()
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
     assert len(SageMakerRuntime.calls) == 1  # the container saw the call, and refused it
-    store = TaskStore(settings)
-    for task_id in ids:
-        record = store.get(task_id)
-        assert record.status == TaskStatus.queued and record.attempts == 0 and record.error_code is None
+    assert_untouched(settings, ids)
 
 
 @pytest.mark.parametrize(("status", "code"), [
