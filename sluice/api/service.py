@@ -207,17 +207,7 @@ class TaskService:
             expires_at=max(created // 1000 + MESSAGE_RETENTION_S,
                            (deadline_at or created) // 1000 + self.settings.result_ttl_days * 86400),
         )
-        message = TaskMessage(
-            task_id=task_id,
-            tenant_id=tenant_id,
-            model=request.model,
-            priority=request.priority,
-            input_count=len(request.inputs),
-            inputs=request.inputs,
-            deadline_at=deadline_at,
-            enqueued_at=created,
-        )
-        return record, message
+        return record, self._message_of(record, request)
 
     def _claim_check(self, record: TaskRecord, message: TaskMessage, stored: bool = False) -> None:
         """Large inputs go to S3; the message carries only their key. `stored`:
@@ -359,9 +349,9 @@ class TaskService:
 
     @staticmethod
     def _message_of(record: TaskRecord, request: SubmitRequest) -> TaskMessage:
-        """A recorded task's message, as its first try sent it: a worker checks
-        only the message's deadline, so it is the record's, not one counted
-        from a retry."""
+        """A recorded task's message, as its first try sent it and a retry
+        sends it again: a worker checks only the message's deadline, so it is
+        the record's, not one counted from a retry."""
         return TaskMessage(
             task_id=record.task_id,
             tenant_id=record.tenant_id,
