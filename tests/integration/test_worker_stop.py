@@ -49,6 +49,16 @@ def running(worker: Worker, exit_codes: list[int] | None = None) -> threading.Th
     thread.start()
     return thread
 
+
+def visible_again(settings, wanted: set[str], what: str) -> set[str]:
+    """Receive (and hold) the tasks visible in the normal queue until `wanted` are
+    among them, within 10 s, far less than their 30 s visibility timeout."""
+    queues, back = PriorityQueues(settings), set()
+    wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
+             or wanted <= back, 10, what)
+    return back
+
+
 def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0})
     ids = submit(settings, 8)
@@ -70,9 +80,7 @@ def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     assert len(done) == 2, {t: r.status for t, r in records.items()}
     assert all(records[t].status == TaskStatus.queued for t in ids if t not in done)
     # Everything else is back in the queue now, not after its visibility timeout (30 s).
-    queues, back = PriorityQueues(settings), set()
-    wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
-             or len(back) == 6, 10, "the six other tasks visible again")
+    back = visible_again(settings, set(ids) - set(done), "the six other tasks visible again")
     assert back == set(ids) - set(done)
 
 
@@ -84,7 +92,6 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
     thread = running(worker)
-    queues, back = PriorityQueues(settings), set()
     try:
         assert model.inferring.wait(15), "no batch reached the model within 15 s"
         # 8 tasks: 2 in inference, 2 prepared, 2 more prepared and waiting to be handed on, 2 in the buffer.
@@ -92,8 +99,7 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
                  "batches prepared behind the model and two tasks left in the buffer")
         buffered = {m.task().task_id for m in worker.buffer.snapshot()}
         worker.stop()
-        wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
-                 or buffered <= back, 10, "the buffered tasks visible again while the model is held")
+        visible_again(settings, buffered, "the buffered tasks visible again while the model is held")
         assert model.inferring.is_set() and not model.go.is_set()
     finally:
         model.go.set()
@@ -111,14 +117,12 @@ def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_co
     exited = []
     worker.exit = exited.append  # stands in for os._exit
     thread = running(worker)
-    queues, back = PriorityQueues(settings), set()
     try:
         assert model.inferring.wait(15), "no batch reached the model within 15 s"
         wait_for(lambda: exited, 15, "the worker giving up on the stuck batch")
         assert exited == [70]
         # Back now, not after their visibility timeout (30 s): the one in inference too.
-        wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
-                 or back == set(ids), 10, "every task visible again")
+        assert visible_again(settings, set(ids), "every task visible again") == set(ids)
     finally:
         model.go.set()
         worker.stop()
@@ -153,6 +157,4 @@ def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before
     assert len(tried) == 6, {t: (r.status, r.attempts) for t, r in records.items()}
     assert all(records[t].error_code == "model_error" and records[t].status == TaskStatus.queued for t in tried)
     untouched = set(ids) - set(tried)
-    queues, back = PriorityQueues(settings), set()
-    wait_for(lambda: back.update(m.task().task_id for m in queues.receive(Priority.normal, 10, 1, 30))
-             or untouched <= back, 10, "the untried tasks visible again")
+    visible_again(settings, untouched, "the untried tasks visible again")
