@@ -87,7 +87,8 @@ class Compensator:
         for i, task_id in enumerate(task_ids):
             try:
                 self.store.delete_if_queued(task_id, token)
-            except (BotoCoreError, ClientError):
+            except Exception as exc:  # noqa: BLE001 - a record left behind is the one outcome to avoid
+                _log_unexpected(exc, task_id)
                 # The table is out of reach: the rest would each wait out the
                 # same timeouts (while a group commit holds its submits), so
                 # they all go to the background at once.
@@ -127,7 +128,8 @@ class Compensator:
             try:
                 self.store.delete_if_queued(task_id, token)
                 backoff = 0.5
-            except (BotoCoreError, ClientError):
+            except Exception as exc:  # noqa: BLE001 - this thread is the backlog's only reader: it must not die
+                _log_unexpected(exc, task_id)
                 if time.monotonic() - since > self.give_up_s:
                     log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
                     continue
@@ -140,6 +142,12 @@ class Compensator:
                     held = (task_id, token, since)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+
+def _log_unexpected(exc: Exception, task_id: str) -> None:
+    """An AWS error is the table out of reach, retried quietly; anything else is logged with its traceback."""
+    if not isinstance(exc, (BotoCoreError, ClientError)):
+        log.error("rolling back task %s failed unexpectedly; retrying", task_id, exc_info=exc)
 
 
 class TaskService:

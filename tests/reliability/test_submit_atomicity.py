@@ -206,3 +206,25 @@ def test_a_batch_cut_off_while_sending_leaves_no_records(service, settings):
     runner = BatchRunner(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     prepared = runner.prepare(received)
     assert prepared.jobs == [] and len(prepared.ack) == 10
+
+
+def test_a_rollback_that_fails_unexpectedly_is_retried_not_dropped(service):
+    """Not only the AWS errors: whatever a delete raises, the record is deleted
+    once the table answers, at once and in the background alike."""
+    ids = ["odd-0", "odd-1"]
+    for task_id in ids:
+        service.store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
+                                        status=TaskStatus.queued, input_count=1, created_at=now_ms()), "token")
+    failures = {"left": 3}  # the try at once, then the background's first two
+    real_delete = service.store.delete_if_queued
+
+    def delete(task_id, token=None):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("a defect, not the network")
+        real_delete(task_id, token)
+
+    service.store.delete_if_queued = delete
+    service.compensator.undo(ids, "token")
+    wait_until(lambda: only_record(service) == [], 10, "both rollbacks, after the unexpected errors",
+               state=lambda: f"pending={service.compensator.pending()} failures left={failures['left']}")
