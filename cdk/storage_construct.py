@@ -9,7 +9,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from cdk.config import SluiceConfig
-from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
+from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX, payload_ttl_days
 
 
 class Storage(Construct):
@@ -41,12 +41,15 @@ class Storage(Construct):
             versioned=False,
             server_access_logs_bucket=self.access_logs,
             server_access_logs_prefix="payloads/",
-            # Inputs and results live as long as their task record (its TTL).
+            # Per prefix (sluice.contract.payload_ttl_days): results for the
+            # finished record's TTL, inputs while their task may still run.
             lifecycle_rules=[
                 s3.LifecycleRule(
-                    expiration=Duration.days(config.result_ttl_days),
+                    prefix=prefix,
+                    expiration=Duration.days(payload_ttl_days(prefix, config.result_ttl_days)),
                     abort_incomplete_multipart_upload_after=Duration.days(1),
                 )
+                for prefix in (INPUTS_PREFIX, RESULTS_PREFIX)
             ],
             removal_policy=RemovalPolicy.RETAIN,
         )

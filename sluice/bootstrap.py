@@ -11,7 +11,7 @@ import os
 from botocore.exceptions import ClientError
 
 from sluice.aws import client
-from sluice.contract import INPUTS_PREFIX, MESSAGE_RETENTION_S, RESULTS_PREFIX, Priority
+from sluice.contract import INPUTS_PREFIX, MESSAGE_RETENTION_S, RESULTS_PREFIX, Priority, payload_ttl_days
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.bootstrap")
@@ -115,13 +115,13 @@ def ensure_bucket(settings: Settings) -> None:
 
 
 def lifecycle_rules(settings: Settings) -> list[dict]:
-    """Payloads live as long as their task record (its TTL), as in the CDK stack."""
+    """Per prefix, as in the CDK stack (sluice.contract.payload_ttl_days)."""
     return [
         {
             "ID": f"sluice-expire-{prefix.rstrip('/')}",
             "Filter": {"Prefix": prefix},
             "Status": "Enabled",
-            "Expiration": {"Days": settings.result_ttl_days},
+            "Expiration": {"Days": payload_ttl_days(prefix, settings.result_ttl_days)},
             # No AbortIncompleteMultipartUpload, unlike the CDK rule: Sluice makes
             # no multipart uploads, and MinIO refuses or drops that element.
         }
@@ -148,5 +148,6 @@ def ensure_lifecycle(s3, settings: Settings) -> None:
     except ClientError as err:
         error = err.response.get("Error", {})
         log.warning("bucket %s: could not set its lifecycle rules (%s: %s); stored inputs and results "
-                    "will not expire after %d days, delete them from the store yourself",
-                    settings.bucket, error.get("Code"), error.get("Message"), settings.result_ttl_days)
+                    "will not expire (results after %d days, inputs after %d), delete them from the store yourself",
+                    settings.bucket, error.get("Code"), error.get("Message"), settings.result_ttl_days,
+                    payload_ttl_days(INPUTS_PREFIX, settings.result_ttl_days))

@@ -44,6 +44,17 @@ MESSAGE_RETENTION_S = 14 * 24 * 3600
 INPUTS_PREFIX = "inputs/"
 RESULTS_PREFIX = "results/"
 
+
+def payload_ttl_days(prefix: str, result_ttl_days: int) -> int:
+    """Days the bucket keeps an object after its upload. A result lives as
+    long as its finished task's record. Inputs are uploaded at submit, so they
+    are kept while their task may still run (its message's retention) and no
+    shorter than results: with inputs expiring after result_ttl_days, a task
+    that waited longer in its queue would fail as `input_unavailable`."""
+    if prefix == INPUTS_PREFIX:
+        return max(result_ttl_days, -(-MESSAGE_RETENTION_S // 86400))
+    return result_ttl_days
+
 ModelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 InputText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_INPUT_CHARS)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]

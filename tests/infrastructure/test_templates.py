@@ -288,12 +288,12 @@ def test_tasks_table_and_bucket_lifecycle(synth, backend):
     assert props["TimeToLiveSpecification"] == {"AttributeName": "expires_at", "Enabled": True}
     assert keys["Properties"]["BillingMode"] == "PAY_PER_REQUEST"
     ttl_days = synth.config[backend].result_ttl_days
-    expiries = [
-        rule.get("ExpirationInDays")
-        for b in resources(raw, "AWS::S3::Bucket").values()
-        for rule in b["Properties"].get("LifecycleConfiguration", {}).get("Rules", [])
-    ]
-    assert ttl_days in expiries
+    (payloads,) = [b for b in resources(raw, "AWS::S3::Bucket").values()
+                   if "payloads/" == b["Properties"].get("LoggingConfiguration", {}).get("LogFilePrefix")]
+    expiries = {rule["Prefix"]: rule["ExpirationInDays"]
+                for rule in payloads["Properties"]["LifecycleConfiguration"]["Rules"]}
+    # A queued task's inputs must outlast its message's 14 days in SQS, or it fails unrun.
+    assert expiries == {"inputs/": max(ttl_days, 14), "results/": ttl_days}
 
 
 # ------------------------------------------------------------- observability

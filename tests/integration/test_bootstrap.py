@@ -54,8 +54,9 @@ def expiry(settings: Settings) -> dict[str, tuple[int, str]]:
 
 
 def test_stored_payloads_expire_after_result_ttl_days_as_on_aws(settings):
-    # The CDK bucket expires objects after result_ttl_days (cdk/storage_construct.py).
-    assert expiry(settings) == {"inputs/": (7, "Enabled"), "results/": (7, "Enabled")}
+    # As the CDK bucket (cdk/storage_construct.py): results after result_ttl_days;
+    # inputs not before their task's message can no longer run (14 days in SQS).
+    assert expiry(settings) == {"inputs/": (14, "Enabled"), "results/": (7, "Enabled")}
     s3 = boto3.client("s3")
     # An operator's own rule on a shared bucket survives; ours follow the setting.
     current = s3.get_bucket_lifecycle_configuration(Bucket=settings.bucket)["Rules"]
@@ -64,7 +65,9 @@ def test_stored_payloads_expire_after_result_ttl_days_as_on_aws(settings):
     three = settings.model_copy(update={"result_ttl_days": 3})
     ensure_bucket(three)
     ensure_bucket(three)  # idempotent: no rule twice
-    assert expiry(settings) == {"inputs/": (3, "Enabled"), "results/": (3, "Enabled"), "logs/": (30, "Enabled")}
+    assert expiry(settings) == {"inputs/": (14, "Enabled"), "results/": (3, "Enabled"), "logs/": (30, "Enabled")}
+    ensure_bucket(settings.model_copy(update={"result_ttl_days": 30}))
+    assert expiry(settings) == {"inputs/": (30, "Enabled"), "results/": (30, "Enabled"), "logs/": (30, "Enabled")}
 
 
 def test_a_store_without_lifecycle_support_only_warns(settings, monkeypatch, caplog):
