@@ -245,8 +245,8 @@ class Dispatcher:
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
-        if self.metrics:
-            self.metrics.record_outcomes(outcomes, now, rejected=rejected)
+        if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
+            self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
 
     @staticmethod
     def _retry(retry: dict[str, str], job: Job, reason: str) -> None:

@@ -361,6 +361,26 @@ def test_large_inputs_and_results_go_through_the_bucket(dispatch, settings, monk
     assert [o["length"] for o in stored["outputs"]] == [100, 100]
 
 
+def test_a_result_that_cannot_be_stored_is_counted_as_a_failed_attempt(dispatch, settings, monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_INLINE_RESULT_MAX_BYTES", "16")
+    dispatch.module._dispatcher = None  # a cold start with the smaller limit: the result goes to the bucket
+    d = dispatch.module.dispatcher()
+
+    def bucket_down(*_, **__):
+        raise EndpointConnectionError(endpoint_url="http://s3")
+
+    monkeypatch.setattr(d.payloads, "put_json", bucket_down)
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["a" * 100]})
+    event = sqs_event(settings, 1)
+    capsys.readouterr()
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    assert TaskStore(settings).get(task_id).error_code == "result_not_stored"
+    emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
+    counted = {name: sum(doc[name] if isinstance(doc[name], (int, float)) else sum(doc[name]) for doc in emitted
+                         if name in doc) for name in ("TasksSucceeded", "TaskAttemptsFailed")}
+    assert counted == {"TasksSucceeded": 0, "TaskAttemptsFailed": 1}
+
+
 def test_a_missing_inputs_object_fails_its_task_alone_and_is_acknowledged(dispatch, settings):
     small_inline = settings.model_copy(update={"inline_payload_max_bytes": 16})
     good, lost = submit(settings, {"model": "synthetic", "inputs": ["a" * 100]},
