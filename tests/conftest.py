@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -68,3 +69,13 @@ def aws_calls(monkeypatch):
 
     monkeypatch.setattr(BaseClient, "_make_api_call", recording)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def sluice_logger_as_it_was():
+    """A Lambda handler's import hands the `sluice` logger to Powertools' (its
+    own handler, no propagation); later tests' caplog needs it as it was."""
+    logger = logging.getLogger("sluice")
+    saved = (logger.handlers[:], logger.propagate, logger.level)
+    yield
+    logger.handlers, logger.propagate, logger.level = saved[0], saved[1], saved[2]

@@ -11,6 +11,7 @@ import os
 
 import boto3
 from aws_lambda_powertools import Logger, Tracer
+from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, process_partial_response
 from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
 from botocore.config import Config
@@ -20,6 +21,9 @@ from sluice.settings import Settings
 from sluice.worker.metrics import WorkerMetrics
 
 logger = Logger(service="sluice-dispatcher")
+# Sluice's own modules log through logging.getLogger("sluice.*"): their lines get
+# this logger's JSON and Lambda context (request id, correlation id) too.
+copy_config_to_registered_loggers(source_logger=logger, include={"sluice"})
 tracer = Tracer(service="sluice-dispatcher")
 processor = BatchProcessor(event_type=EventType.SQS, raise_on_entire_batch_failure=False)
 

@@ -8,6 +8,7 @@ a task whose message was dead-lettered without an outcome is failed or requeued.
 from __future__ import annotations
 
 from aws_lambda_powertools import Logger
+from aws_lambda_powertools.logging.utils import copy_config_to_registered_loggers
 
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
@@ -16,6 +17,9 @@ from sluice.dlq import settle_dead
 from sluice.settings import Settings
 
 logger = Logger(service="sluice-settler")
+# Sluice's own modules log through logging.getLogger("sluice.*"): their lines get
+# this logger's JSON and Lambda context (request id, correlation id) too.
+copy_config_to_registered_loggers(source_logger=logger, include={"sluice"})
 settings = Settings()
 queues = PriorityQueues(settings)
 store = TaskStore(settings)

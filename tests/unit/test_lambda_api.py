@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -263,3 +265,20 @@ def test_responses_stay_out_of_the_traces(handler):
         handler.tracer.disabled = True
     assert status == 200 and view["metadata"] == {"patient": "jane doe"}
     assert "jane doe" not in json.dumps(recorded, default=str)
+
+
+def test_the_app_s_log_lines_carry_the_lambda_context(handler, monkeypatch):
+    """sluice.* loggers write Powertools' JSON, with the invocation's request and correlation ids."""
+    monkeypatch.setenv("SLUICE_TASKS_TABLE", "a-table-that-does-not-exist")
+    handler = importlib.reload(handler)
+    written = io.StringIO()
+    for h in logging.getLogger("sluice").handlers:  # the Powertools logger's handler, if it was handed over
+        monkeypatch.setattr(h, "stream", written)
+    event = proxy_event("GET", "/v1/tasks/t-123", key_id="kid-logs", resource="/v1/tasks/{task_id}")
+    status, body = call(handler, event)
+    assert status == 503
+    lines = [json.loads(line) for line in written.getvalue().splitlines()]
+    (logged,) = [line for line in lines if line["message"].startswith("dependency call failed")]
+    assert logged["level"] == "WARNING" and logged["service"] == "sluice-api" and logged["name"] == "sluice.api"
+    assert logged["correlation_id"] == event["requestContext"]["requestId"]
+    assert logged["function_request_id"] == LambdaContext.aws_request_id
