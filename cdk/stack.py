@@ -13,7 +13,7 @@ from cdk import nag
 from cdk.api_construct import Api
 from cdk.config import SluiceConfig
 from cdk.functions import LambdaCode
-from cdk.observability_construct import Observability
+from cdk.observability_construct import MINUTE, Observability
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 from cdk.workers_eks_construct import EksWorkers
@@ -68,9 +68,11 @@ class SluiceStack(Stack):
                     metric_name="node_gpu_utilization",
                     dimensions_map={"ClusterName": workers.cluster.cluster_name},
                     statistic="Average",
+                    period=MINUTE,
                     label="node GPU % (Container Insights)",
                 )
             ]
+            endpoint = None
             CfnOutput(self, "ClusterName", value=workers.cluster.cluster_name)
         else:
             workers = SageMakerWorkers(
@@ -85,10 +87,12 @@ class SluiceStack(Stack):
                     metric_name=name,
                     dimensions_map=dims,
                     statistic="Average",
+                    period=MINUTE,
                     label=f"endpoint {name} (%)",
                 )
                 for name in ("GPUUtilization", "GPUMemoryUtilization")
             ]
+            endpoint = dims
             CfnOutput(self, "EndpointName", value=workers.endpoint_name)
         self.workers = workers
 
@@ -101,6 +105,9 @@ class SluiceStack(Stack):
             functions=functions,
             scheduled=scheduled,
             gpu_metrics=gpu_metrics,
+            # Only a worker process with torch reports GPU figures: not the dispatcher Lambda.
+            worker_gpu=backend == "eks",
+            endpoint=endpoint,
             dashboard_name=f"{id}-{self.region}",  # dashboard names are account-wide
         )
 

@@ -304,9 +304,11 @@ def test_dashboard_and_alarms(synth, backend):
     assert len(resources(raw, "AWS::CloudWatch::Dashboard")) == 1
     body = json.dumps(next(iter(resources(raw, "AWS::CloudWatch::Dashboard").values()))["Properties"]["DashboardBody"])
     for metric in (
-        "ApproximateNumberOfMessagesVisible", "ApproximateAgeOfOldestMessage", "5XXError", "4XXError", "Latency",
-        "Throttles", "Errors", "Duration", "BatchSize", "InferenceLatency", "Throughput", "GpuUtilization",
-        "GpuMemoryUsed", "TasksSucceeded", "TaskAttemptsFailed",
+        "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible", "ApproximateAgeOfOldestMessage",
+        "5XXError", "4XXError", "Latency", "Throttles", "Errors", "Duration", "BatchSize", "InferenceLatency",
+        "Throughput", "TasksSucceeded", "TaskAttemptsFailed",
+        # Torch on a GPU emits these: the EKS workers, never the SageMaker dispatcher (a Lambda).
+        *(("GpuUtilization", "GpuMemoryUsed") if backend == "eks" else ("Invocations", "ModelLatency")),
     ):
         assert metric in body, metric
     alarms = list(resources(raw, "AWS::CloudWatch::Alarm").values())
@@ -325,6 +327,149 @@ def test_dashboard_and_alarms(synth, backend):
         # Settling rounds hide DLQ messages while they read: hidden ones count too.
         names = {q["MetricStat"]["Metric"]["MetricName"] for q in a["Properties"]["Metrics"] if "MetricStat" in q}
         assert names == {"ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
+
+
+def dashboard_widgets(raw: dict) -> list[dict]:
+    """The dashboard's widgets' properties, each CloudFormation reference written <LogicalId>."""
+    (dashboard,) = resources(raw, "AWS::CloudWatch::Dashboard").values()
+    return [w["properties"] for w in json.loads(arn_text(dashboard["Properties"]["DashboardBody"]))["widgets"]]
+
+
+def graphed(raw: dict) -> list[tuple[str, str, str, dict, dict]]:
+    """(widget title, namespace, metric name, dimensions, options) of every metric a
+    graph draws, math expressions' hidden inputs included; expressions themselves as
+    (title, "", expression, {}, options)."""
+    rows = []
+    for widget in dashboard_widgets(raw):
+        for row in widget.get("metrics", []):
+            options = row[-1] if isinstance(row[-1], dict) else {}
+            if "expression" in options:
+                rows.append((widget["title"], "", options["expression"], {}, options))
+                continue
+            namespace, name, *dims = row[:-1] if isinstance(row[-1], dict) else row
+            rows.append((widget["title"], namespace, name, dict(zip(dims[::2], dims[1::2])), options))
+    return rows
+
+
+POLL_ROUTE = "GET /v1/tasks/{task_id}"
+
+
+def test_the_dashboard_graphs_latency_per_route_as_the_alarms_watch_it(synth, backend):
+    # A stage-wide p99 is the long polls' (up to 20 s by design): the dashboard shows
+    # each submit route, with the very dimensions its alarm reads, and the poll apart.
+    from cdk.api_construct import SUBMIT_ROUTES
+
+    raw = synth.raw[backend]
+    submit = {f"{method} {path}" for method, path in SUBMIT_ROUTES}
+    assert submit | {POLL_ROUTE} <= {route for route, _ in method_paths(raw).values()}
+    latency = [(title, dims, options) for title, ns, name, dims, options in graphed(raw)
+               if (ns, name) == ("AWS/ApiGateway", "Latency")]
+    for _, dims, _ in latency:
+        assert set(dims) == {"ApiName", "Stage", "Resource", "Method"}, dims  # none stage-wide
+    drawn = {(f"{dims['Method']} {dims['Resource']}", options["stat"]) for _, dims, options in latency}
+    assert drawn == {(route, stat) for route in submit | {POLL_ROUTE} for stat in ("p50", "p99")}
+    # The poll in a graph of its own: its 20 s would flatten the submit routes' lines.
+    (poll_title,) = {title for title, dims, _ in latency if f"{dims['Method']} {dims['Resource']}" == POLL_ROUTE}
+    assert {f"{d['Method']} {d['Resource']}" for t, d, _ in latency if t == poll_title} == {POLL_ROUTE}
+    # Each latency alarm's metric, dimensions and period are graphed as they are.
+    alarmed = 0
+    for alarm in resources(raw, "AWS::CloudWatch::Alarm").values():
+        props = alarm["Properties"]
+        for namespace, name, dims in alarm_metrics(props):
+            if (namespace, name) == ("AWS/ApiGateway", "Latency"):
+                alarmed += 1
+                dims = {k: arn_text(v) for k, v in dims.items()}
+                assert any(d == dims and (o["stat"], o["period"]) == alarm_statistic(props)
+                           for _, d, o in latency), dims
+    assert alarmed == len(SUBMIT_ROUTES)
+
+
+def test_the_sagemaker_endpoint_is_graphed_and_alarms_on_invocation_5xx(synth):
+    raw = synth.raw["sagemaker"]
+    (endpoint,) = resources(raw, "AWS::SageMaker::Endpoint")
+    (endpoint_config,) = resources(raw, "AWS::SageMaker::EndpointConfig").values()
+    (variant,) = endpoint_config["Properties"]["ProductionVariants"]
+    dims = {"EndpointName": f"<{endpoint}>", "VariantName": variant["VariantName"]}
+    assert dims["VariantName"] == "AllTraffic"
+    rows = graphed(raw)
+    sagemaker = {name for _, ns, name, d, _ in rows if ns == "AWS/SageMaker" and d == dims}
+    assert sagemaker == {"Invocations", "Invocation5XXErrors", "ModelLatency", "OverheadLatency"}
+    assert not [r for r in rows if r[1] == "AWS/SageMaker" and r[3] != dims]
+    # The instances' own GPU figures stay.
+    assert {"GPUUtilization", "GPUMemoryUtilization"} <= {
+        name for _, ns, name, d, _ in rows if ns == "/aws/sagemaker/Endpoints" and d == dims}
+
+    (topic,) = resources(raw, "AWS::SNS::Topic")
+    (alarm,) = [a["Properties"] for a in resources(raw, "AWS::CloudWatch::Alarm").values()
+                if any(name == "Invocation5XXErrors" for _, name, _ in alarm_metrics(a["Properties"]))]
+    ((namespace, _, alarm_dims),) = alarm_metrics(alarm)
+    assert namespace == "AWS/SageMaker"
+    assert {k: arn_text(v) for k, v in alarm_dims.items()} == dims
+    statistic, period = alarm_statistic(alarm)
+    assert statistic == "Sum" and period >= 60
+    assert (alarm["ComparisonOperator"], alarm["Threshold"]) == ("GreaterThanThreshold", 0)
+    assert alarm["TreatMissingData"] == "notBreaching"
+    assert refs(alarm["AlarmActions"]) == refs(alarm["OKActions"]) == {topic}
+
+
+def test_gpu_series_are_graphed_only_where_they_are_emitted(synth, backend):
+    # The workers' GPU figures come from torch in the worker process; on SageMaker
+    # the Sluice metrics come from the dispatcher Lambda, which has no torch.
+    rows = graphed(synth.raw[backend])
+    worker_gpu = {name for _, ns, name, _, _ in rows if ns == "Sluice" and name.startswith("Gpu")}
+    namespaces = {ns for _, ns, _, _, _ in rows}
+    if backend == "eks":
+        assert worker_gpu == {"GpuUtilization", "GpuMemoryUsed"}
+        assert "ContainerInsights" in namespaces and "AWS/SageMaker" not in namespaces
+    else:
+        assert worker_gpu == set()
+        assert "/aws/sagemaker/Endpoints" in namespaces
+
+
+def test_each_dlq_alarms_on_growth_as_well_as_depth(synth, backend):
+    # Dead letters of final tasks stay in the DLQ for operators: the depth alarm
+    # stays in ALARM, so only an alarm on growth notifies of each later one.
+    # (A redrive-policy move does not count in NumberOfMessagesSent.)
+    raw = synth.raw[backend]
+    (topic,) = resources(raw, "AWS::SNS::Topic")
+    dlqs = [k for k, q in resources(raw, "AWS::SQS::Queue").items() if "RedrivePolicy" not in q["Properties"]]
+    assert len(dlqs) == len(PRIORITIES)
+    alarms = [a["Properties"] for a in resources(raw, "AWS::CloudWatch::Alarm").values()]
+    assert not [a for a in alarms if any(name == "NumberOfMessagesSent" for _, name, _ in alarm_metrics(a))]
+    for dlq in dlqs:
+        on_dlq = [a for a in alarms if any(refs(d.get("QueueName")) == {dlq} for _, _, d in alarm_metrics(a))]
+        kinds = {}
+        for a in on_dlq:
+            assert {name for _, name, _ in alarm_metrics(a)} == {
+                "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
+            assert (a["ComparisonOperator"], a["Threshold"]) == ("GreaterThanThreshold", 0)
+            assert a["TreatMissingData"] == "notBreaching"
+            assert refs(a["AlarmActions"]) == refs(a["OKActions"]) == {topic}
+            expressions = " ".join(q["Expression"] for q in a["Metrics"] if "Expression" in q)
+            (returned,) = [q for q in a["Metrics"] if q.get("ReturnData", True)]
+            growth = re.match(r"(DIFF|RATE)\(", returned["Expression"]) is not None
+            kinds[growth] = kinds.get(growth, 0) + 1
+            if growth:
+                assert "+" in expressions  # of visible and hidden together
+        assert kinds == {False: 1, True: 1}, (dlq, kinds)
+
+
+def test_the_backlog_graph_shows_in_flight_messages_beside_the_visible_ones(synth, backend):
+    # KEDA scales on visible and in-flight messages both.
+    raw = synth.raw[backend]
+    queues = [k for k, q in resources(raw, "AWS::SQS::Queue").items() if "RedrivePolicy" in q["Properties"]]
+    drawn = {}
+    for title, ns, name, dims, options in graphed(raw):
+        if ns == "AWS/SQS" and options.get("visible", True) and dims.get("QueueName", "")[1:-1] in queues:
+            drawn.setdefault(title, set()).add((name, dims["QueueName"][1:-1]))
+    assert {(name, q) for name in ("ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible")
+            for q in queues} in drawn.values()
+
+
+def test_every_graphed_metric_has_an_explicit_one_minute_period(synth, backend):
+    # A metric without one falls back to the dashboard's 300 s beside the rest's 60 s.
+    for title, _, name, _, options in graphed(synth.raw[backend]):
+        assert options.get("period") == 60, (title, name)
 
 
 # ----------------------------------------------------------------------- IAM
@@ -564,6 +709,14 @@ def alarm_metrics(props: dict) -> list[tuple[str, str, dict]]:
     if "MetricName" in props:
         stats.append(props)
     return [(m["Namespace"], m["MetricName"], {d["Name"]: d["Value"] for d in m.get("Dimensions", [])}) for m in stats]
+
+
+def alarm_statistic(props: dict) -> tuple[str, int]:
+    """(statistic, period) of an alarm on one metric, in either of its forms."""
+    if "MetricName" in props:
+        return props.get("Statistic") or props["ExtendedStatistic"], props["Period"]
+    (query,) = props["Metrics"]
+    return query["MetricStat"]["Stat"], query["MetricStat"]["Period"]
 
 
 def test_cloudwatch_may_publish_the_alarms_to_the_topic(synth, backend):
