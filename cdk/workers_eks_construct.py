@@ -161,7 +161,10 @@ class EksWorkers(Construct):
             "spec": {
                 # No replicas: KEDA owns the count (it starts at zero).
                 "selector": {"matchLabels": labels},
-                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                # Replace in place, as the on-prem manifest does: at max_workers every
+                # GPU node is taken, and a surge pod would wait for a node the
+                # autoscaler may not add (max_nodes), stalling the rollout.
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": {

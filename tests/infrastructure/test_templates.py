@@ -839,3 +839,10 @@ def test_payload_grants_are_scoped_to_the_prefixes_each_principal_uses(synth, ba
             "s3:ListBucket": {f"<{bucket}>"},
         },
     }
+
+
+def test_the_eks_worker_rollout_replaces_pods_in_place(synth):
+    """At max_workers every GPU node may be taken and the autoscaler stops at
+    max_nodes: a surge pod would never schedule and the rollout would stall."""
+    strategy = worker_deployment(synth.raw["eks"])["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
