@@ -269,6 +269,7 @@ class Observability(Construct):
             worker_metric("TasksSucceeded", "Sum", "succeeded"),
             worker_metric("TaskAttemptsFailed", "Sum", "failed attempts"),
             worker_metric("TaskAttemptsDropped", "Sum", "dropped (task final already)"),
+            worker_metric("TasksHandedBack", "Sum", "handed back unrun"),
         ]
         # Every batch's size summed over all workers, per second: an Average of
         # a per-worker figure would show one worker's rate however many run.

@@ -126,6 +126,8 @@ class Dispatcher:
             unclaim(self.store, [job for job, _ in turned_away])
             for job, reason in turned_away:
                 self._retry(retry, job, reason)
+            if self.metrics:
+                self.metrics.record_handed_back(len(turned_away))
         return retry
 
     # ------------------------------------------------------------ claim

@@ -58,6 +58,9 @@ METRICS = (
     "TasksSucceeded",
     "TaskAttemptsFailed",
     "TaskAttemptsDropped",  # outcomes not written: the task was final already (cancelled, or another run won)
+    # Given back unrun, a receive spent and no attempt: a model this worker does
+    # not serve (yet), a call the SageMaker endpoint turned away.
+    "TasksHandedBack",
     "GpuUtilization",  # these two on a GPU only
     "GpuMemoryUsed",
 )
@@ -127,6 +130,12 @@ class WorkerMetrics:
                 else:
                     name = "TasksSucceeded" if o.error is None else "TaskAttemptsFailed"
                 self._add(name, MetricUnit.Count, 1)
+                self._recorded = True
+
+    def record_handed_back(self, tasks: int) -> None:
+        if tasks:
+            with self._lock:
+                self._add("TasksHandedBack", MetricUnit.Count, tasks)
                 self._recorded = True
 
     def _add(self, name: str, unit: MetricUnit, value: float) -> None:

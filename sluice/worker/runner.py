@@ -103,6 +103,8 @@ class BatchRunner:
         log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
                     len(messages), ", ".join(sorted(unserved)), delay_s)
         give_back(messages, delay_s)
+        if self.metrics:
+            self.metrics.record_handed_back(len(messages))
 
     # --------------------------------------------------------------- infer
     def infer(self, jobs: list[Job]) -> list[Outcome]:

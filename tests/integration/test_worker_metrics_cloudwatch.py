@@ -66,6 +66,7 @@ def test_the_cloudwatch_sink_puts_every_metric_in_the_namespace_and_dimension_an
     sink.record_batch(8, 12)
     sink.record_outcomes([outcome("a"), outcome("b"), outcome("c", "RuntimeError: boom"), outcome("d")], 0,
                          rejected={"d"})
+    sink.record_handed_back(2)
     sink.flush()
 
     assert capsys.readouterr().out == ""  # no EMF line: on EKS it would only be a log line
@@ -76,7 +77,7 @@ def test_the_cloudwatch_sink_puts_every_metric_in_the_namespace_and_dimension_an
     assert gained.pop("Throughput") == (1, pytest.approx(8 / 0.012))
     assert gained == {
         "BatchSize": (1, 8), "InferenceLatency": (1, 12), "TasksSucceeded": (2, 2), "TaskAttemptsFailed": (1, 1),
-        "TaskAttemptsDropped": (1, 1), "GpuUtilization": (1, 42), "GpuMemoryUsed": (1, 3),
+        "TaskAttemptsDropped": (1, 1), "TasksHandedBack": (1, 2), "GpuUtilization": (1, 42), "GpuMemoryUsed": (1, 3),
     }
 
 

@@ -13,6 +13,7 @@ from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.api.app import create_app
 from sluice.contract import Priority
+from sluice.worker.metrics import WorkerMetrics
 from tests.integration.test_worker_runner import receive_all, run_once, submit
 from tests.reliability.harness import wait_until
 
@@ -90,7 +91,7 @@ def test_a_result_that_cannot_be_stored_fails_only_its_own_attempt(api, settings
 
 
 def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
-        api, settings, runner, caplog):
+        api, settings, runner, caplog, capsys):
     # A rolling deploy: the API already takes minilm-embed, this worker serves only synthetic.
     newer = TestClient(create_app(settings.model_copy(update={"models": "synthetic,minilm-embed"})),
                        raise_server_exceptions=False)
@@ -99,6 +100,7 @@ def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
                            headers={"x-api-key": api.key_a}).json()["task_id"]
     settings.visibility_timeout_s = 4  # its hand-back delay is a quarter of it: 1 s
     changes = spy_visibility(runner)
+    runner.metrics = WorkerMetrics()  # EMF on stdout
     batch = receive_all(settings, 3)
     with caplog.at_level(logging.WARNING, logger="sluice.worker"):
         prepared = run_once(runner, batch)
@@ -111,6 +113,10 @@ def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
     assert [(ids, timeout_s) for ids, timeout_s, _ in changes] == [([elsewhere], 1)]
     warnings = [r for r in caplog.records if "does not serve" in r.getMessage()]
     assert len(warnings) == 1 and "minilm-embed" in warnings[0].getMessage()
+    capsys.readouterr()
+    runner.metrics.flush()
+    (emf,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert emf["TasksHandedBack"] == [1] and emf["TasksSucceeded"] == [1, 1]
     # Neither deleted nor failed: receivable again, by a worker that serves it perhaps.
     again = receive_again(settings, elsewhere, changes[0][2], 1)
     assert again.receive_count == 2

@@ -180,6 +180,13 @@ def rewrite_answers(d, monkeypatch, edit) -> None:
     monkeypatch.setattr(d.runtime, "invoke_endpoint", rewritten)
 
 
+def counted(capsys, *names: str) -> dict[str, float]:
+    """The sums of the named metrics in the EMF lines printed since the last read."""
+    emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
+    return {name: sum(doc[name] if isinstance(doc[name], (int, float)) else sum(doc[name])
+                      for doc in emitted if name in doc) for name in names}
+
+
 def assert_untouched(settings, ids: list[str]) -> None:
     """Each task is queued as before the call: no attempt, no error (the call ran nothing)."""
     store = TaskStore(settings)
@@ -375,10 +382,7 @@ def test_a_result_that_cannot_be_stored_is_counted_as_a_failed_attempt(dispatch,
     capsys.readouterr()
     assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
     assert TaskStore(settings).get(task_id).error_code == "result_not_stored"
-    emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
-    counted = {name: sum(doc[name] if isinstance(doc[name], (int, float)) else sum(doc[name]) for doc in emitted
-                         if name in doc) for name in ("TasksSucceeded", "TaskAttemptsFailed")}
-    assert counted == {"TasksSucceeded": 0, "TaskAttemptsFailed": 1}
+    assert counted(capsys, "TasksSucceeded", "TaskAttemptsFailed") == {"TasksSucceeded": 0, "TaskAttemptsFailed": 1}
 
 
 def test_a_missing_inputs_object_fails_its_task_alone_and_is_acknowledged(dispatch, settings):
@@ -397,7 +401,7 @@ def test_a_missing_inputs_object_fails_its_task_alone_and_is_acknowledged(dispat
     assert key in record.error_message and "NoSuchKey" in record.error_message
 
 
-def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings, monkeypatch):
+def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings, monkeypatch, capsys):
     # SageMaker answering 503 (an endpoint not in service, scaling, throttled)
     # ran nothing. Even on a task's last delivery, the task stays queued with no
     # start recorded, and its message goes back to SQS; once dead-lettered,
@@ -406,9 +410,13 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
     dispatch.module._dispatcher = None
     ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
     event = sqs_event(settings, 2, receive_count=3)
+    capsys.readouterr()
     response = dispatch(event)
     assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
     assert_untouched(settings, ids)
+    # Seen on the dashboard as handed back, not as outcomes.
+    assert counted(capsys, "TasksHandedBack", "TasksSucceeded", "TaskAttemptsFailed") == {
+        "TasksHandedBack": 2, "TasksSucceeded": 0, "TaskAttemptsFailed": 0}
 
     queues, store = PriorityQueues(settings), TaskStore(settings)
     for r in event["Records"]:  # what SQS does with them after maxReceiveCount

@@ -52,13 +52,14 @@ def values(emf: dict, name: str) -> list:
 
 def emitted(capsys, monkeypatch, cuda: bool) -> dict:
     """The one EMF document a worker prints for a batch of 8 inputs (12 ms)
-    with two tasks succeeded, one failed attempt and one outcome whose write
-    was rejected."""
+    with two tasks succeeded, one failed attempt, one outcome whose write
+    was rejected and two tasks handed back unrun."""
     monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
     metrics = fresh_metrics(capsys, monkeypatch)
     metrics.record_batch(8, 12)
     metrics.record_outcomes([outcome("a"), outcome("b"), outcome("c", "RuntimeError: boom"), outcome("d")], 0,
                             rejected={"d"})
+    metrics.record_handed_back(2)
     metrics.flush()
     lines = printed(capsys)
     assert len(lines) == 1, lines
@@ -75,12 +76,12 @@ def test_a_gpu_worker_prints_every_metric_in_the_namespace_and_dimension(capsys,
     assert units == {
         "BatchSize": "Count", "InferenceLatency": "Milliseconds", "Throughput": "Count/Second",
         "TasksSucceeded": "Count", "TaskAttemptsFailed": "Count", "TaskAttemptsDropped": "Count",
-        "GpuUtilization": "Percent", "GpuMemoryUsed": "Megabytes",
+        "TasksHandedBack": "Count", "GpuUtilization": "Percent", "GpuMemoryUsed": "Megabytes",
     }
     assert set(units) == set(METRICS)  # what the dashboard may use is what a worker prints
     assert {name: values(emf, name) for name in units} == {
         "BatchSize": [8], "InferenceLatency": [12], "Throughput": [8 / 0.012], "TasksSucceeded": [1, 1],
-        "TaskAttemptsFailed": [1], "TaskAttemptsDropped": [1], "GpuUtilization": [42], "GpuMemoryUsed": [3.0],
+        "TaskAttemptsFailed": [1], "TaskAttemptsDropped": [1], "TasksHandedBack": [2], "GpuUtilization": [42], "GpuMemoryUsed": [3.0],
     }
 
 
