@@ -8,15 +8,19 @@ it uses the standard AWS variables and SLUICE_URL / SLUICE_API_KEY.
 from __future__ import annotations
 
 import argparse
+import email.utils
+import http.client
 import json
 import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from email.message import Message
 from pathlib import Path
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
 from sluice.settings import SettingsError
 
@@ -66,8 +70,34 @@ def _settings():
 
 
 # -------------------------------------------------------------------- HTTP
-def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict]:
-    url = (getattr(args, "url", None) or os.environ.get("SLUICE_URL") or _state().get("url") or "http://127.0.0.1:8000")
+_TIMEOUT_S = 30  # above a long poll's 20 s
+
+
+class ApiUnusable(Exception):
+    """The API could not be asked: unreachable (`transient`: a poll may try again) or it redirected."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is not followed: urllib would send x-api-key to whatever host it
+    names, and turn a POST into a GET. It reaches _call as the 3xx it is."""
+
+    def redirect_request(self, *_args):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _base_url(args) -> str:
+    return getattr(args, "url", None) or os.environ.get("SLUICE_URL") or _state().get("url") or "http://127.0.0.1:8000"
+
+
+def _call(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict, Message]:
+    url = _base_url(args)
     key = getattr(args, "api_key", None) or os.environ.get("SLUICE_API_KEY") or _state().get("api_key")
     request = urllib.request.Request(
         url.rstrip("/") + path,
@@ -76,12 +106,31 @@ def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[
         headers={"content-type": "application/json", **({"x-api-key": key} if key else {})},
     )
     try:
-        with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status, _json(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, _json(err.read())
+        try:
+            response = _OPENER.open(request, timeout=_TIMEOUT_S)
+        except urllib.error.HTTPError as err:  # an answer all the same
+            response = err
+        with response:
+            status, raw, headers = response.status, response.read(), response.headers
     except urllib.error.URLError as err:
-        raise SystemExit(f"sluice: cannot reach {url}: {err.reason}") from None
+        raise ApiUnusable(f"sluice: cannot reach {url}: {err.reason}", transient=True) from None
+    # A connection dropped, reset or silent once the request was sent: urlopen raises these unwrapped.
+    except (OSError, http.client.HTTPException) as err:
+        reason = (f"no answer within {_TIMEOUT_S:g} s" if isinstance(err, TimeoutError)
+                  else f"{type(err).__name__}: {err}")
+        raise ApiUnusable(f"sluice: cannot reach {url}: {reason}", transient=True) from None
+    if 300 <= status < 400:
+        target = urllib.parse.urljoin(request.full_url, headers.get("Location", ""))
+        base = target.split("?")[0]
+        route = path.split("?")[0]
+        base = base[:-len(route)] if base.endswith(route) else base
+        raise ApiUnusable(f"sluice: the API answered a redirect ({status}) to {target}; use --url {base}",
+                          transient=False)
+    return status, _json(raw), headers
+
+
+def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict]:
+    return _call(method, path, body, args)[:2]
 
 
 def _json(raw: bytes) -> dict:
@@ -118,19 +167,62 @@ def cmd_submit(args) -> int:
     if status >= 400 or not args.wait:
         return _print(status, payload)
     task_id = payload["task_id"]
+    # Said at once: whatever happens to the polls, a script must not submit it again.
+    print(f"sluice: submitted task {task_id}", file=sys.stderr)
     deadline = time.monotonic() + args.timeout
+    trouble = None  # why the last poll told nothing, if it did not
     while (remaining := deadline - time.monotonic()) > 0:
         # Long poll: the API answers as soon as the task is final.
         wait_s = round(min(remaining, 20), 1)
-        status, payload = _http("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
-        if status >= 400:
-            return _print(status, payload)
-        if payload.get("status") != "queued":
-            _print(status, payload)
-            # A script waiting on the task must tell a result from an outcome without one.
-            return 0 if payload.get("status") == "succeeded" else 3
+        try:
+            status, payload, headers = _call("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
+        except ApiUnusable as exc:
+            if not exc.transient:
+                return _not_followed(task_id, str(exc).removeprefix("sluice: "))
+            trouble, pause_s = str(exc).removeprefix("sluice: "), 1.0
+        else:
+            if status < 400 and payload.get("status") != "queued":
+                _print(status, payload)
+                # A script waiting on the task must tell a result from an outcome without one.
+                return 0 if payload.get("status") == "succeeded" else 3
+            if status < 400:
+                trouble = None
+                continue
+            trouble = f"the API answered {status}{_error_of(payload)}"
+            if status != 429 and status < 500:  # 404, 403: asking again gets the same
+                return _not_followed(task_id, trouble)
+            pause_s = _retry_after(headers)  # a DynamoDB blip (503), a rate limit (429)
+        time.sleep(max(0.0, min(pause_s, deadline - time.monotonic())))
+    if trouble:
+        return _not_followed(task_id, f"{trouble} until --timeout {args.timeout:g} s")
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2
+
+
+def _not_followed(task_id: str, why: str) -> int:
+    print(f"sluice submit: task {task_id} was submitted, but following it failed: {why}; do not submit it "
+          f"again: `sluice get {task_id}` shows it", file=sys.stderr)
+    return 4
+
+
+def _error_of(payload: dict) -> str:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return ""
+    return f" {error.get('code')}: {' '.join(str(error.get('message', '')).split())[:200]}"
+
+
+def _retry_after(headers: Message) -> float:
+    """Seconds a 429 or 503 asks to wait (a number or an HTTP date); 1 without one, at least 0.25."""
+    value = (headers.get("Retry-After") or "").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            seconds = 1.0
+    return max(0.25, seconds)
 
 
 def cmd_get(args) -> int:
@@ -142,6 +234,25 @@ def cmd_cancel(args) -> int:
 
 
 # -------------------------------------------------------------- operators
+def _tenant(value: str) -> str:
+    from sluice.adapters.api_keys import check_tenant
+
+    try:
+        return check_tenant(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_1(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {value!r}")
+    return number
+
+
 def cmd_keys_create(args) -> int:
     from sluice.adapters.api_keys import ApiKeys
 
@@ -152,15 +263,16 @@ def cmd_keys_create(args) -> int:
 
 def cmd_keys_revoke(args) -> int:
     from sluice.adapters.api_keys import ApiKeys
+    from sluice.settings import Settings
 
-    settings = _settings()
     try:
-        record = ApiKeys(settings).revoke(args.key)
+        record = ApiKeys(_settings()).revoke(args.key)
     except LookupError as exc:
         print(f"sluice keys revoke: {exc}", file=sys.stderr)
         return 1
-    print(f"revoked key {record.key_id} of tenant {record.tenant_id}; running APIs refuse it within "
-          f"{settings.key_cache_s:g} s (their key cache, SLUICE_KEY_CACHE_S)")
+    # The APIs' cache time is their setting, not this shell's: only its default is known here.
+    print(f"revoked key {record.key_id} of tenant {record.tenant_id}; running APIs refuse it once their cached "
+          f"copy expires (their SLUICE_KEY_CACHE_S, {Settings.model_fields['key_cache_s'].default:g} s by default)")
     return 0
 
 
@@ -175,28 +287,50 @@ def cmd_dlq(args) -> int:
     from sluice.adapters.queues import PriorityQueues
     from sluice.contract import Priority
     from sluice.adapters.task_store import TaskStore
-    from sluice.dlq import dead_count, list_dead, redrive, settle_dead
+    from sluice.dlq import dead_counts, list_dead, max_receive_count, redrive, settle_dead
 
     settings = _settings()
     queues = PriorityQueues(settings)
     priorities = [Priority(args.priority)] if args.priority else list(Priority)
+    queues_named = f"the {args.priority} dead-letter queue" if args.priority else "the dead-letter queues"
     if args.action == "list":
-        found = list_dead(queues, priorities, limit=args.limit, store=TaskStore(settings))
-        for item in found:
+        # One past --limit tells whether the list was cut (what is received is shown again).
+        found = list_dead(queues, priorities, limit=args.limit + 1, store=TaskStore(settings))
+        for item in found[:args.limit]:
             print(json.dumps(item))
-        if not found:
-            print("the dead-letter queues are empty" if not args.priority
-                  else f"the {args.priority} dead-letter queue is empty", file=sys.stderr)
+        visible, hidden = dead_counts(queues, priorities)
+        if not found and not visible + hidden:
+            print(f"{queues_named} {'is' if args.priority else 'are'} empty", file=sys.stderr)
+            return 0
+        said = f"listed {min(len(found), args.limit)}"
+        if len(found) > args.limit:
+            said += f", stopped at --limit {args.limit}"
+        said += f"; {queues_named} {'holds' if args.priority else 'hold'} about {visible + hidden} messages"
+        if hidden:  # received by another reader: a worker's settling round shows them again within 30 s
+            said += f", {hidden} of them hidden by another reader (a worker's settling round): list again in 30 s"
+        print(said, file=sys.stderr)
         return 0
     if args.action == "settle":
-        counts = settle_dead(queues, TaskStore(settings), priorities, settings.max_attempts, limit=args.limit)
+        # A task's runs are counted against what SQS dead-letters at: each main queue's maxReceiveCount.
+        store, counts = TaskStore(settings), {"failed": 0, "requeued": 0}
+        for priority in priorities:
+            left = args.limit - counts["failed"] - counts["requeued"]
+            if left < 1:
+                break
+            attempts = max_receive_count(queues, priority)
+            if attempts is None:
+                attempts = settings.max_attempts
+                print(f"sluice dlq settle: the {priority.value} queue has no RedrivePolicy; counting "
+                      f"SLUICE_MAX_ATTEMPTS={attempts} runs as its maxReceiveCount", file=sys.stderr)
+            for k, v in settle_dead(queues, store, [priority], attempts, limit=left).items():
+                counts[k] += v
         done = f"failed {counts['failed']} tasks, requeued {counts['requeued']} messages"
     else:
         done = f"redrove {redrive(queues, priorities, limit=args.limit)} messages"
     # What the round left (past --limit, or held hidden by a worker's settling
     # round meanwhile) tells the operator whether to run it again.
     where = f"the {args.priority} dead-letter queue still holds" if args.priority else "the dead-letter queues still hold"
-    print(f"{done}; {where} about {dead_count(queues, priorities)} messages")
+    print(f"{done}; {where} about {sum(dead_counts(queues, priorities))} messages")
     return 0
 
 
@@ -207,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="submit one task", epilog="exit status: 0 submitted, or with --wait succeeded; "
-                       "1 the API answered an error; with --wait, 2 still queued after --timeout, 3 failed, "
-                       "expired or cancelled")
+                       "1 the API refused it or could not be reached; with --wait, 2 still queued after --timeout, "
+                       "3 failed, expired or cancelled, 4 submitted (its id on stderr) but the polls failed until "
+                       "--timeout or were refused: do not submit it again")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--model", default="minilm-embed")
     p.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
@@ -227,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("create", help="create a key; prints it as the last word")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", required=True, type=_tenant,
+                   help="1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
     p.set_defaults(func=cmd_keys_create)
     p = keys.add_parser("revoke", help="revoke a key, given itself or its id (as `keys create` printed it)")
     p.add_argument("key", help="the key (sk_…) or its id")
@@ -239,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dlq", help="list or redrive dead-letter messages, or settle their unfinished tasks")
     p.add_argument("action", choices=["list", "redrive", "settle"])
     p.add_argument("--priority", choices=["high", "normal", "low"])
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=_at_least_1, default=100,
+                   help="at most this many messages in all priorities together: listed, redriven, or settled "
+                        "(failed or requeued) (default: 100)")
     p.set_defaults(func=cmd_dlq)
 
     args = parser.parse_args(argv)
@@ -248,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `sluice get … | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except ApiUnusable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except SettingsError as exc:
         print(f"sluice: refused settings:\n{exc}", file=sys.stderr)
         return 1
@@ -255,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         # A wrong prefix, table, region or credentials: one line with what was used, not a traceback.
         command = " ".join(filter(None, (args.command, getattr(args, "keys_command", None), getattr(args, "action", None))))
         error = str(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ProfileNotFound):
+            named = "AWS_PROFILE" if os.environ.get("AWS_PROFILE") else "AWS_DEFAULT_PROFILE"
+            error = f"{named} names no profile in the AWS config or credentials files: {exc}"
         print(f"sluice {command}: {error} ({_aws_context()})", file=sys.stderr)
         return 1
 
@@ -265,8 +409,12 @@ def _aws_context() -> str:
 
     settings = Settings()
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    try:  # the profile's region, read again: the very error being reported may come from there
+        region = client_config(settings).region_name
+    except BotoCoreError:
+        region = settings.region
     return (f"queue prefix {settings.queue_prefix}, tasks table {settings.tasks_table}, keys table "
-            f"{settings.keys_table}, region {client_config(settings).region_name}"
+            f"{settings.keys_table}, region {region}"
             + (f", endpoint {endpoint}" if endpoint else ""))
 
 

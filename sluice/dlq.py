@@ -122,12 +122,31 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
 def dead_count(queues: PriorityQueues, priorities: list[Priority]) -> int:
     """Messages in these DLQs as SQS approximates them, those another reader
     holds hidden (a worker's settling round) included."""
-    total = 0
+    return sum(dead_counts(queues, priorities))
+
+
+def dead_counts(queues: PriorityQueues, priorities: list[Priority]) -> tuple[int, int]:
+    """(visible, hidden): messages in these DLQs as SQS approximates them;
+    hidden ones are held by another reader (a worker's settling round)."""
+    visible = hidden = 0
     for priority in priorities:
         attributes = queues.sqs.get_queue_attributes(QueueUrl=queues.dlq_url(priority), AttributeNames=[
             "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
-        total += int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
-    return total
+        visible += int(attributes["ApproximateNumberOfMessages"])
+        hidden += int(attributes["ApproximateNumberOfMessagesNotVisible"])
+    return visible, hidden
+
+
+def max_receive_count(queues: PriorityQueues, priority: Priority) -> int | None:
+    """The receives after which SQS moved a message of this priority to its
+    DLQ (its main queue's RedrivePolicy), what a task's runs are counted
+    against; None if the queue has no such policy."""
+    policy = queues.sqs.get_queue_attributes(
+        QueueUrl=queues.url(priority), AttributeNames=["RedrivePolicy"]).get("Attributes", {}).get("RedrivePolicy")
+    try:
+        return int(json.loads(policy)["maxReceiveCount"]) if policy else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100) -> int:

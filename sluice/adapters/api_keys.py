@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import threading
 import time
@@ -24,6 +25,19 @@ UNKNOWN_CACHE_SIZE = 1_000
 
 
 _MISS = object()
+
+# A tenant id names who owns tasks: an empty one (an unset $TEAM in a script),
+# spaces or slashes would make tenants by accident, or two that look alike.
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_tenant(tenant_id: str) -> str:
+    """The tenant id if it is 1-64 letters, digits, '_', '.' or '-', starting
+    with a letter or digit; else ValueError."""
+    if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
+        raise ValueError(f"tenant {tenant_id!r}: must be 1-64 letters, digits, '_', '.' or '-', "
+                         "starting with a letter or digit")
+    return tenant_id
 
 
 def _valid(record: ApiKeyRecord | None, digest: str) -> ApiKeyRecord | None:
@@ -50,6 +64,7 @@ class ApiKeys:
         self._lock = threading.Lock()
 
     def create(self, tenant_id: str, key: str | None = None) -> tuple[str, ApiKeyRecord]:
+        check_tenant(tenant_id)
         key = key or KEY_PREFIX + secrets.token_urlsafe(32)
         record = ApiKeyRecord(
             key_hash=hash_key(key), tenant_id=tenant_id, key_id=secrets.token_hex(8), created_at=now_ms()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sluice import cli
@@ -89,3 +91,85 @@ def test_redrive_and_settle_say_how_many_dead_letters_are_left(operator_env, cap
     assert capsys.readouterr().out.strip() == f"{done}; the normal dead-letter queue still holds about 1 messages"
     assert cli.main(["dlq", action]) == 0
     assert capsys.readouterr().out.strip().endswith("; the dead-letter queues still hold about 0 messages")
+
+
+def test_listing_says_how_many_dead_letters_another_reader_holds_hidden(operator_env, capsys):
+    queues, store = PriorityQueues(operator_env), TaskStore(operator_env)
+    dead_letter(queues, store, "being-settled")
+    # What a worker's settling round does: receive it, keeping it hidden meanwhile.
+    got = queues.sqs.receive_message(QueueUrl=queues.dlq_url(Priority.normal), VisibilityTimeout=60, WaitTimeSeconds=1)
+    assert len(got["Messages"]) == 1
+    assert cli.main(["dlq", "list"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "empty" not in captured.err, captured.err
+    assert captured.err.strip() == ("listed 0; the dead-letter queues hold about 1 messages, 1 of them hidden by "
+                                    "another reader (a worker's settling round): list again in 30 s")
+
+
+def test_listing_says_when_it_stopped_at_the_limit(operator_env, capsys):
+    queues, store = PriorityQueues(operator_env), TaskStore(operator_env)
+    dead_letter(queues, store, "first")
+    dead_letter(queues, store, "second")
+    assert cli.main(["dlq", "list", "--limit", "1"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 1
+    assert captured.err.strip() == "listed 1, stopped at --limit 1; the dead-letter queues hold about 2 messages"
+    assert cli.main(["dlq", "list", "--priority", "normal"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 2
+    assert captured.err.strip() == "listed 2; the normal dead-letter queue holds about 2 messages"
+
+
+@pytest.mark.parametrize("action", ["list", "redrive", "settle"])
+@pytest.mark.parametrize("limit", ["0", "-1", "x"])
+def test_a_limit_below_1_is_a_usage_error(capsys, action, limit):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["dlq", action, f"--limit={limit}"])
+    assert stopped.value.code == 2
+    assert f"argument --limit: must be a whole number of at least 1, not '{limit}'" in capsys.readouterr().err
+
+
+def _max_receive_count(queues: PriorityQueues, priority: Priority, count: int | None) -> None:
+    """Sets (or with None removes) the main queue's RedrivePolicy, as a deployment's own would be."""
+    dlq_arn = queues.sqs.get_queue_attributes(QueueUrl=queues.dlq_url(priority),
+                                              AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    policy = "" if count is None else json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(count)})
+    queues.sqs.set_queue_attributes(QueueUrl=queues.url(priority), Attributes={"RedrivePolicy": policy})
+
+
+def test_settle_counts_runs_against_the_queues_max_receive_count(operator_env, monkeypatch, capsys):
+    # A deployment with max_attempts 5; the operator's shell does not say so (SLUICE_MAX_ATTEMPTS: 3).
+    monkeypatch.delenv("SLUICE_MAX_ATTEMPTS", raising=False)
+    queues, store = PriorityQueues(operator_env), TaskStore(operator_env)
+    _max_receive_count(queues, Priority.normal, 5)
+    dead_letter(queues, store, "ran-3-of-5", attempts=2)  # started 3 times (sluice.dlq._runs)
+    assert cli.main(["dlq", "settle"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("failed 0 tasks, requeued 1 messages"), captured.out
+    assert captured.err == ""
+    assert store.get("ran-3-of-5").status is TaskStatus.queued
+
+
+def test_settle_without_a_redrive_policy_counts_the_setting_and_says_so(operator_env, monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_MAX_ATTEMPTS", "3")
+    queues, store = PriorityQueues(operator_env), TaskStore(operator_env)
+    _max_receive_count(queues, Priority.normal, None)
+    dead_letter(queues, store, "ran-3", attempts=2)
+    assert cli.main(["dlq", "settle", "--priority", "normal"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("failed 1 tasks, requeued 0 messages"), captured.out
+    assert captured.err.strip() == ("sluice dlq settle: the normal queue has no RedrivePolicy; "
+                                    "counting SLUICE_MAX_ATTEMPTS=3 runs as its maxReceiveCount")
+
+
+def test_settle_limit_is_for_all_priorities_together(operator_env, capsys):
+    queues, store = PriorityQueues(operator_env), TaskStore(operator_env)
+    dead_letter(queues, store, "normal-one")
+    store.create(TaskRecord(task_id="high-one", tenant_id="t", model="synthetic", priority=Priority.high,
+                            status=TaskStatus.queued, input_count=1, created_at=0))
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.high), MessageBody=TaskMessage(
+        task_id="high-one", tenant_id="t", model="synthetic", priority=Priority.high, input_count=1, inputs=["x"],
+        enqueued_at=0).model_dump_json(exclude_none=True))
+    assert cli.main(["dlq", "settle", "--limit", "1"]) == 0
+    assert capsys.readouterr().out.strip() == ("failed 0 tasks, requeued 1 messages; "
+                                               "the dead-letter queues still hold about 1 messages")

@@ -50,11 +50,11 @@ def test_an_answer_that_is_not_json_is_shown_not_a_traceback(gateway, capsys):
     assert Gateway.bodies[-1]["deadline_s"] == 0
 
 
-def test_an_unreachable_api_is_one_line_naming_it():
+def test_an_unreachable_api_is_one_line_naming_it(capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(SystemExit) as stopped:
-        cli.main(["--url", url, "--api-key", "k", "get", "t1"])
-    assert str(stopped.value).startswith(f"sluice: cannot reach {url}")
+    assert cli.main(["--url", url, "--api-key", "k", "get", "t1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"sluice: cannot reach {url}") and len(err.strip().splitlines()) == 1, err
 
 
 class Api(BaseHTTPRequestHandler):
@@ -149,6 +149,8 @@ def test_a_key_is_revoked_by_the_id_create_printed_or_by_itself(settings, monkey
     from sluice.adapters.api_keys import ApiKeys
 
     monkeypatch.setenv("SLUICE_KEYS_TABLE", settings.keys_table)
+    # This shell's cache setting says nothing of the APIs': the message must not quote it as theirs.
+    monkeypatch.setenv("SLUICE_KEY_CACHE_S", "99")
     assert cli.main(["keys", "create", "--tenant", "team-c"]) == 0
     created = capsys.readouterr().out.split()
     key_id, key = created[2], created[-1]
@@ -156,7 +158,8 @@ def test_a_key_is_revoked_by_the_id_create_printed_or_by_itself(settings, monkey
     assert keys.authenticate(key).tenant_id == "team-c"
     assert cli.main(["keys", "revoke", key_id]) == 0
     out = capsys.readouterr().out
-    assert f"revoked key {key_id} of tenant team-c" in out and "within 10 s" in out
+    assert f"revoked key {key_id} of tenant team-c" in out and "99" not in out
+    assert "(their SLUICE_KEY_CACHE_S, 10 s by default)" in out
     assert keys.authenticate(key) is None
     other, _ = keys.create("team-d")
     assert cli.main(["keys", "revoke", other]) == 0 and keys.authenticate(other) is None
@@ -195,3 +198,43 @@ def test_a_reader_that_leaves_early_is_no_error(monkeypatch):
     monkeypatch.setattr(os, "dup2", lambda *_: None)  # leave pytest's stdout alone
     assert cli.main(["get", "t"]) == 0
 
+
+
+@pytest.mark.parametrize("tenant", ["", " ", "team a", "team-a ", " team-a", "a/b", "-a", ".a", "team\n", "x" * 65])
+def test_a_tenant_outside_the_pattern_is_refused_before_any_key_is_made(monkeypatch, capsys, tenant):
+    # An unset $TEAM in a script (`--tenant "$TEAM"`) must not make keys sharing the empty tenant.
+    monkeypatch.setattr(cli, "cmd_keys_create", lambda _args: pytest.fail("a key was created"))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["keys", "create", f"--tenant={tenant}"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --tenant: tenant " in err and "must be 1-64 letters, digits, '_', '.' or '-'" in err, err
+
+
+def test_the_key_store_refuses_such_a_tenant_too(settings):
+    from sluice.adapters.api_keys import ApiKeys
+    from sluice.aws import client
+
+    for tenant in ["", "team a", "a/b", "team-a "]:
+        with pytest.raises(ValueError, match="must be 1-64 letters"):
+            ApiKeys(settings).create(tenant)
+    assert client("dynamodb", settings).scan(TableName=settings.keys_table)["Count"] == 0
+    assert ApiKeys(settings).create("team_a.v2-" + "x" * 54)[1].tenant_id.startswith("team_a.v2-")  # 64: the most
+
+
+def test_a_missing_aws_profile_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    # No region set anywhere: the handler itself must not read the missing profile again.
+    from sluice import aws
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setattr(cli, "STATE_FILE", tmp_path / "embedded.json")
+    monkeypatch.setattr(aws, "_clients", {})
+    assert cli.main(["dlq", "list"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("sluice dlq list: AWS_PROFILE names no profile") and "no-such-profile" in err, err
+    assert "region us-east-1" in err, err

@@ -1,0 +1,184 @@
+"""The CLI's HTTP side against stub servers: polls that fail after a submit was
+accepted, connections that drop or hang, and redirects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+import pytest
+
+from sluice import cli
+from tests.http_stub import serving
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """POST accepts task t1; each GET takes the next of `polls` (the last one
+    repeats): (status, body, headers), or "drop" (close without an answer),
+    "reset" (a TCP reset) or "hang" (no answer until the test ends)."""
+
+    polls: list = []
+    gets: list[str] = []
+    released: threading.Event
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(202, {"task_id": "t1", "status": "queued"})
+
+    def do_GET(self):
+        self.gets.append(self.path)
+        step = self.polls[min(len(self.gets), len(self.polls)) - 1]
+        if step == "drop":
+            return
+        if step == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            return
+        if step == "hang":
+            self.released.wait(30)
+            return
+        self.answer(*step)
+
+    def answer(self, code: int, body: dict, headers: dict | None = None):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    """Serves a Scripted of its own; yields (url, handler class): set its `polls`."""
+    handler = type("Api", (Scripted,), {"polls": [], "gets": [], "released": threading.Event()})
+    with serving(handler) as url:
+        yield url, handler
+        handler.released.set()
+
+
+QUEUED = (200, {"task_id": "t1", "status": "queued"})
+DONE = (200, {"task_id": "t1", "status": "succeeded", "result": {"outputs": []}})
+
+
+@pytest.mark.parametrize("blip", [
+    (503, {"error": {"code": "unavailable", "message": "a dependency is down"}}, {"Retry-After": "0"}),
+    (429, {"error": {"code": "rate_limited", "message": "slow down"}}, {"Retry-After": "0"}),
+    "drop",
+])
+def test_a_poll_that_fails_for_a_while_is_retried_and_the_task_id_said_at_once(scripted, capsys, blip):
+    url, api = scripted
+    api.polls = [blip, blip, DONE]
+    started = time.monotonic()
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "20", "hello"]) == 0
+    assert time.monotonic() - started < 10 and len(api.gets) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["status"] == "succeeded"
+    assert captured.err.splitlines()[0] == "sluice: submitted task t1"
+
+
+@pytest.mark.parametrize("failing, why", [
+    ((503, {"error": {"code": "unavailable", "message": "down"}}, {"Retry-After": "0"}),
+     "the API answered 503 unavailable: down until --timeout 1 s"),
+    ("drop", "cannot reach"),
+    ("reset", "cannot reach"),
+])
+def test_polls_failing_until_the_timeout_exit_4_naming_the_task(scripted, capsys, failing, why):
+    url, api = scripted
+    api.polls = [failing]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "1", "hello"]) == 4
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.strip().splitlines()
+    assert lines[0] == "sluice: submitted task t1" and len(lines) == 2, captured.err
+    assert lines[1].startswith("sluice submit: task t1 was submitted, but following it failed: ") and why in lines[1]
+    assert "do not submit it again" in lines[1]
+
+
+def test_a_poll_refused_for_good_exits_4_at_once(scripted, capsys):
+    url, api = scripted
+    api.polls = [(403, {"error": {"code": "forbidden", "message": "revoked key"}})]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "20", "hello"]) == 4
+    assert len(api.gets) == 1
+    err = capsys.readouterr().err
+    assert "task t1 was submitted, but following it failed: the API answered 403 forbidden: revoked key" in err
+
+
+def test_still_queued_at_the_timeout_is_still_2(scripted, capsys):
+    url, api = scripted
+    api.polls = [QUEUED]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "0.5", "hello"]) == 2
+    assert "task t1 still queued after 0.5s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("failing, reason", [
+    ("drop", "RemoteDisconnected"),
+    ("reset", "ConnectionResetError"),
+    ("hang", "no answer within 0.5 s"),
+])
+def test_a_dropped_reset_or_silent_connection_is_one_line_naming_the_api(scripted, monkeypatch, capsys, failing,
+                                                                         reason):
+    url, api = scripted
+    api.polls = [failing]
+    monkeypatch.setattr(cli, "_TIMEOUT_S", 0.5)
+    assert cli.main(["--url", url, "--api-key", "k", "get", "t1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"sluice: cannot reach {url}: ") and reason in captured.err, captured.err
+
+
+class Moved(BaseHTTPRequestHandler):
+    """An API that moved: every request is redirected to `target`."""
+
+    target = ""
+
+    def do_POST(self):
+        self.send_response(302)
+        self.send_header("Location", self.target + self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+class Elsewhere(BaseHTTPRequestHandler):
+    """Where the redirect points: records what reaches it, answers 200."""
+
+    seen: list[tuple[str, str | None]] = []
+
+    def do_GET(self):
+        self.seen.append((self.command, self.headers.get("x-api-key")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("command", [["submit", "hello"], ["get", "t1"]])
+def test_a_redirect_is_refused_not_followed_with_the_key(monkeypatch, capsys, command):
+    Elsewhere.seen.clear()
+    with serving(Elsewhere) as other, serving(Moved) as moved:
+        monkeypatch.setattr(Moved, "target", other + "/prod")
+        assert cli.main(["--url", moved, "--api-key", "sk_secret", *command]) == 1
+    assert Elsewhere.seen == []  # neither the key nor a GET standing in for the POST went there
+    captured = capsys.readouterr()
+    path = "/v1/tasks" if command[0] == "submit" else "/v1/tasks/t1"
+    assert captured.out == ""
+    assert captured.err.strip() == (f"sluice: the API answered a redirect (302) to {other}/prod{path}; "
+                                    f"use --url {other}/prod")
