@@ -70,7 +70,8 @@ from sluice.contract import (
     TaskError,
 )
 from sluice.isolation import run_isolating
-from sluice.settings import Settings
+from sluice.settings import Settings, SettingsError
+from sluice.worker.main import log_level
 
 log = logging.getLogger("sluice.sagemaker")
 
@@ -334,8 +335,13 @@ def load_endpoint(settings: Settings) -> Endpoint:
 
 
 def main() -> int:
+    try:
+        level = log_level()  # `debug` as well as `DEBUG`, as the worker takes it
+    except SettingsError as exc:  # before logging exists: one line, no traceback
+        print(f"sagemaker: refused settings: {exc}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(
-        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        level=level,
         format="%(asctime)s %(levelname)s sagemaker[%(process)d] %(message)s",
         stream=sys.stderr,
     )

@@ -3,7 +3,12 @@
 On SIGTERM it stops receiving, hands back at once the messages it had
 prefetched (visibility 0), finishes the batch in inference and exits 0. It
 stops the same way, exiting 1, once the model fails every task of several
-batches in a row (sluice.worker.runner.BROKEN_AFTER).
+batches in a row (sluice.worker.runner.BROKEN_AFTER), and exiting
+EXIT_QUEUE_MISSING (75) once a queue it receives from has not existed for
+QUEUE_MISSING_EXIT_S (an on-prem LocalStack restarted and lost its queues):
+only a restart, whose bootstrap recreates them (SLUICE_BOOTSTRAP_ON_START),
+brings them back. Other receive errors (throttling, an endpoint that refuses
+connections) are retried for as long as they last.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+
+from botocore.exceptions import ClientError
 
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.contract import Priority
@@ -26,10 +33,54 @@ from sluice.worker.runner import BatchRunner, Pipeline, hand_back
 
 log = logging.getLogger("sluice.worker")
 
+# SLUICE_LOG_LEVEL, in any case: the API's uvicorn takes `debug`, logging only `DEBUG`.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# How long a receiver goes on finding its queue missing, with no receive that
+# worked in between, before the worker exits EXIT_QUEUE_MISSING so that its
+# orchestrator restarts it. SLUICE_QUEUE_MISSING_EXIT_S overrides it.
+QUEUE_MISSING_EXIT_S = 30.0
+EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
+# A queue that does not exist, as botocore reports it: the error's Code, and its
+# QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
+QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
+
+
+def log_level(environ=os.environ) -> str:
+    """SLUICE_LOG_LEVEL as logging names it (unset or empty: INFO); SettingsError,
+    in one line naming the variable and the values allowed, for anything else."""
+    raw = environ.get("SLUICE_LOG_LEVEL") or "INFO"
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise SettingsError(f"SLUICE_LOG_LEVEL={raw!r}: should be one of {', '.join(LOG_LEVELS)} (any case)")
+    return level
+
+
+def queue_missing_exit_s(environ=os.environ) -> float:
+    raw = environ.get("SLUICE_QUEUE_MISSING_EXIT_S") or str(QUEUE_MISSING_EXIT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SettingsError(f"SLUICE_QUEUE_MISSING_EXIT_S={raw!r}: should be a number of seconds above 0")
+    return value
+
+
+def queue_missing(exc: BaseException) -> bool:
+    """Whether a receive failed because its queue does not exist (not a throttle,
+    not an endpoint that cannot be reached: those are retried for ever)."""
+    if not isinstance(exc, ClientError):
+        return False
+    error = exc.response.get("Error", {})
+    return bool(QUEUE_MISSING_CODES & {error.get("Code"), error.get("QueryErrorCode")})
+
 
 class Worker:
-    def __init__(self, settings: Settings, models: dict):
+    def __init__(self, settings: Settings, models: dict, queue_missing_exit_s: float = QUEUE_MISSING_EXIT_S):
         self.settings = settings
+        self.queue_missing_exit_s = queue_missing_exit_s
+        self.queues_missing = False  # run() then returns EXIT_QUEUE_MISSING
         self.queues = PriorityQueues(settings)
         self.policy = WeightedPriorityPolicy(settings.weights())
         # Prefetch about one batch per priority: enough to keep the model busy,
@@ -52,6 +103,7 @@ class Worker:
     # ----------------------------------------------------------- receiving
     def _receive_loop(self, priority: Priority) -> None:
         backoff = 0.2
+        missing_since: float | None = None  # the first of the receives in a row that found the queue missing
         while not self.stopping.is_set():
             room = self.buffer.room(priority)
             if room <= 0:
@@ -62,7 +114,14 @@ class Worker:
                     priority, room, self.settings.receive_wait_s, self.settings.visibility_timeout_s
                 )
                 backoff = 0.2
+                missing_since = None
             except Exception as exc:
+                if queue_missing(exc):
+                    now = time.monotonic()
+                    missing_since = now if missing_since is None else missing_since
+                    if now - missing_since >= self.queue_missing_exit_s:
+                        self._queue_gone(priority, now - missing_since, exc)
+                        return
                 log.warning("receive from %s failed (%s); retrying in %.1fs", priority.value, exc, backoff)
                 self.stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -74,6 +133,17 @@ class Worker:
                 self._give_back(messages)
                 return
             self.buffer.put(messages)
+
+    def _queue_gone(self, priority: Priority, for_s: float, exc: Exception) -> None:
+        # Retrying cannot bring a queue back: a restart can, whose bootstrap
+        # (SLUICE_BOOTSTRAP_ON_START=1 on-prem) recreates what is missing.
+        log.error("receives from the %s queue have found it missing for %.0f s (%s): exiting %d so that the "
+                  "worker is restarted. A restart with SLUICE_BOOTSTRAP_ON_START=1 (on-prem) recreates the "
+                  "queues; otherwise create them (`sluice bootstrap`, or the CDK stack on AWS) or correct "
+                  "SLUICE_QUEUE_URL_%s / SLUICE_QUEUE_PREFIX", priority.value, for_s, exc, EXIT_QUEUE_MISSING,
+                  priority.value.upper())
+        self.queues_missing = True
+        self.stop()
 
     def _take_batch(self) -> list[Received]:
         if self.stopping.is_set():
@@ -164,6 +234,8 @@ class Worker:
         self._give_back(self.buffer.close())
         self._done.set()
         self.metrics.stop()  # publishes what is left
+        if self.queues_missing:
+            return EXIT_QUEUE_MISSING
         return 1 if self.pipeline.broken else 0
 
     def stop(self, *_):
@@ -178,20 +250,26 @@ class Worker:
 
 
 def main() -> int:
+    try:
+        level = log_level()
+    except SettingsError as exc:  # before logging exists: one line, no traceback
+        print(f"worker: refused settings: {exc}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(
-        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        level=level,
         format="%(asctime)s %(levelname)s worker[%(process)d] %(message)s",
         stream=sys.stderr,
     )
     logging.getLogger("botocore").setLevel(logging.WARNING)
     try:
         settings = Settings()
+        missing_exit_s = queue_missing_exit_s()
     except SettingsError as exc:
         log.error("refused settings:\n%s", exc)
         return 2
     from models.registry import load_models
 
-    worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads))
+    worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads), missing_exit_s)
     signal.signal(signal.SIGTERM, worker.stop)
     signal.signal(signal.SIGINT, worker.stop)
     return worker.run()

@@ -248,3 +248,36 @@ def test_localstack_expires_task_records_and_restarts_heal_missing_resources():
     for name in ["api", *WORKERS]:
         assert services[name]["environment"]["SLUICE_BOOTSTRAP_ON_START"] == "1"
         assert services[name]["restart"] == "unless-stopped"
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration (`30s`, `1m30s`, `1h`, `500ms`) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a Compose duration: {duration!r}"
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}[u] for n, u in parts)
+
+
+def test_seconds_reads_compose_durations():
+    assert [seconds(d) for d in ("30s", "1m30s", "1h", "500ms")] == [30, 90, 3600, 0.5]
+    with pytest.raises(AssertionError):
+        seconds("30")
+
+
+def test_the_api_outlives_its_longest_long_poll_when_stopped():
+    # Docker's default is 10 s; a long poll lasts up to MAX_WAIT_S (20 s), and
+    # uvicorn lets it finish after SIGTERM if the SIGKILL comes late enough.
+    from sluice.contract import MAX_WAIT_S
+
+    api = load(REQUIRED)["services"]["api"]
+    assert "stop_grace_period" in api, "Docker's default (10 s) cuts long polls short"
+    assert seconds(api["stop_grace_period"]) >= MAX_WAIT_S + 5
+
+
+def test_workers_get_the_grace_period_kubernetes_gives_them():
+    # One grace period for the same worker image wherever it runs: onprem/k8s's
+    # terminationGracePeriodSeconds (the CDK stack's termination_grace_s).
+    deployment = yaml.safe_load((ROOT / "onprem" / "k8s" / "common" / "worker-deployment.yaml").read_text())
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    services = load(REQUIRED)["services"]
+    for name in WORKERS:
+        assert seconds(services[name]["stop_grace_period"]) == grace, name

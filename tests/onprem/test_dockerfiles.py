@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -67,12 +68,26 @@ def test_copies_only_what_exists_and_is_not_dockerignored(dockerfile):
             assert kept, f"{source} is excluded by .dockerignore"
 
 
+@pytest.mark.parametrize("dockerfile", [WORKER, API], ids=["worker", "api"])
+def test_copies_the_files_pyproject_names_with_it(dockerfile):
+    # `pip install .` reads them: without the readme the build warns and the
+    # package's metadata has no description.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = [project["readme"]] if isinstance(project.get("readme"), str) else []
+    assert named == ["README.md"]
+    copies = [i.args.split() for i in instructions(dockerfile) if i.keyword == "COPY"]
+    with_pyproject = [c for c in copies if "pyproject.toml" in c[:-1]]
+    assert len(with_pyproject) == 1
+    assert set(named) <= set(with_pyproject[0][:-1]), f"{dockerfile.relative_to(ROOT)} copies pyproject.toml without {named}"
+    assert all((ROOT / name).is_file() for name in named)
+
+
 def test_dockerignore_keeps_local_state_out():
     patterns = dockerignore_patterns()
     for path in (".venv/bin/python", ".venv-localstack/x", ".sluice/embedded.json", ".git/HEAD", "onprem/.env",
                  "sluice/__pycache__/x.pyc", "tests/unit/test_x.py"):
         assert ignored(path, patterns), path
-    for path in ("pyproject.toml", "sluice/settings.py", "models/minilm.py", "onprem/embedded.py",
+    for path in ("pyproject.toml", "README.md", "sluice/settings.py", "models/minilm.py", "onprem/embedded.py",
                  "containers/worker/main.py", "containers/sagemaker/serve.py"):
         assert not ignored(path, patterns), path
 

@@ -1,21 +1,34 @@
 """The image entrypoints create whatever is missing before they start when
 SLUICE_BOOTSTRAP_ON_START=1, which onprem/compose.yaml sets on the api and the
-workers: LocalStack keeps its state in memory, and after a host reboot Docker
-restarts the containers without compose's `init` step. Here both entrypoints
-start together, as they do then, against a server that holds nothing."""
+workers (and onprem/k8s/onprem on the workers): LocalStack keeps its state in
+memory, and after a host reboot Docker restarts the containers without
+compose's `init` step. Here both entrypoints start together, as they do then,
+against a server that holds nothing.
+
+They also read SLUICE_LOG_LEVEL in any case (compose hands the same value to the
+API, whose uvicorn takes `debug`, and to the workers), and refuse a value that
+is no level in one line, not a traceback in a restart loop."""
 
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import subprocess
 import sys
 import urllib.request
 
 import boto3
+import pytest
 from dockerfile_reader import ROOT, cmd, env
 from servers import BIN, CREDENTIALS, REGION, Processes, clean_env, free_port, http_ok, start_moto, wait_for
 
+from sluice.settings import SettingsError
+from sluice.worker.main import LOG_LEVELS, log_level
+
 API_DOCKERFILE = ROOT / "containers" / "api" / "Dockerfile"
 WORKER_DOCKERFILE = ROOT / "containers" / "worker" / "Dockerfile"
+SERVE = ROOT / "containers" / "sagemaker" / "serve.py"
 
 
 def image_command(dockerfile_args: list[str]) -> list[str]:
@@ -54,8 +67,8 @@ def test_api_and_worker_create_missing_resources_as_they_start(tmp_path):
 
 
 def test_without_the_setting_an_entrypoint_creates_nothing(tmp_path):
-    # AWS and Kubernetes: the stack or an operator owns the resources, and the
-    # roles may not create them.
+    # AWS (EKS, SageMaker): the stack owns the resources, and the roles may not
+    # create them; likewise wherever an operator leaves the setting out.
     procs = Processes(tmp_path)
     try:
         moto, endpoint = start_moto(procs)
@@ -72,3 +85,59 @@ def test_without_the_setting_an_entrypoint_creates_nothing(tmp_path):
         assert sqs.list_queues().get("QueueUrls", []) == []
     finally:
         procs.stop_all(first=("api",))
+
+
+def test_log_level_takes_any_case_and_names_the_variable_and_values_when_refused():
+    for raw, level in [("debug", "DEBUG"), ("Info", "INFO"), (" warning ", "WARNING"), ("ERROR", "ERROR"),
+                       ("critical", "CRITICAL"), ("", "INFO")]:
+        assert log_level({"SLUICE_LOG_LEVEL": raw}) == level, raw
+        assert isinstance(logging.getLevelName(level), int)
+    assert log_level({}) == "INFO"
+    for raw in ("verbose", "trace", "10", "warn ing"):
+        with pytest.raises(SettingsError) as refused:
+            log_level({"SLUICE_LOG_LEVEL": raw})
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"SLUICE_LOG_LEVEL={raw!r}")
+        assert all(name in message for name in LOG_LEVELS), message
+
+
+def entrypoints() -> dict[str, list[str]]:
+    return {"api": image_command(cmd(API_DOCKERFILE)), "worker": image_command(cmd(WORKER_DOCKERFILE)),
+            "sagemaker": [sys.executable, str(SERVE)]}  # the worker image's `serve`
+
+
+@pytest.mark.parametrize("name", ["api", "worker", "sagemaker"])
+def test_an_unknown_log_level_stops_an_entrypoint_with_one_line(name):
+    env = {**clean_env(), **CREDENTIALS, "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+           "SLUICE_LOG_LEVEL": "verbose", "SLUICE_MODELS": "synthetic"}
+    run = subprocess.run(entrypoints()[name], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    output = (run.stdout + run.stderr).strip()
+    assert run.returncode == 2, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
+    assert "SLUICE_LOG_LEVEL='verbose'" in output and all(level in output for level in LOG_LEVELS), output
+
+
+def test_the_worker_takes_a_lowercase_log_level():
+    # `debug` once crashed logging.basicConfig (ValueError: Unknown level), so the
+    # worker never got as far as its settings. A refused setting shows it does.
+    env = {**clean_env(), **CREDENTIALS, "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+           "SLUICE_LOG_LEVEL": "debug", "SLUICE_MODELS": "synthetic", "SLUICE_MAX_BATCH_SIZE": "abc"}
+    run = subprocess.run(entrypoints()["worker"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2 and "Traceback" not in output, output
+    assert "ERROR worker[" in output and "refused settings" in output and "SLUICE_MAX_BATCH_SIZE='abc'" in output
+
+
+def test_the_sagemaker_server_takes_a_lowercase_log_level(tmp_path):
+    procs = Processes(tmp_path)
+    try:
+        port = free_port()
+        serve = procs.start("sagemaker", entrypoints()["sagemaker"], {
+            **clean_env(), "AWS_REGION": REGION, "SLUICE_LOG_LEVEL": "debug", "SLUICE_MODELS": "synthetic",
+            "SAGEMAKER_BIND_TO_PORT": str(port)})
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/ping"), 60, "serve.py /ping", serve)
+        assert " DEBUG sagemaker[" in serve.log.read_text(errors="replace")  # the /ping above, at debug
+        serve.popen.send_signal(signal.SIGTERM)
+        assert serve.popen.wait(30) == 0
+    finally:
+        procs.stop_all()

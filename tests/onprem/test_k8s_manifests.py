@@ -5,6 +5,7 @@ requiring a lossless round trip, plus the aws-sqs-queue scaler's parameters."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ import pytest
 import yaml
 from cloudcoil.models.keda import v1alpha1 as keda
 from dockerfile_reader import ROOT
+
+from sluice.contract import Priority
+from sluice.settings import Settings
 
 K8S = ROOT / "onprem" / "k8s"
 FILES = sorted(K8S.rglob("*.yaml"))
@@ -25,6 +29,21 @@ SQS_TRIGGER_PARAMETERS = {
     "scaleOnInFlight", "scaleOnDelayed", "identityOwner",
 }
 PRIORITIES = ["high", "normal", "low"]
+# The sluice-config keys one site sets and the other does not, besides the on-prem
+# endpoints (AWS_ENDPOINT_URL_<SERVICE>), each with the reason.
+EKS_ONLY = {
+    # The EKS logging add-on ships container logs, not EMF: metrics go by PutMetricData.
+    "SLUICE_METRICS_SINK": "cloudwatch",
+    # The CDK stack made the queues with these (maxReceiveCount, visibility timeout); the
+    # worker must use the same. On-prem, bootstrap makes the queues with the worker's own.
+    "SLUICE_MAX_ATTEMPTS": None,
+    "SLUICE_VISIBILITY_TIMEOUT_S": None,
+}
+ONPREM_ONLY = {
+    # LocalStack forgets its queues when it restarts; a restarted worker recreates them.
+    # On EKS the stack owns them, and the worker's role may not create them.
+    "SLUICE_BOOTSTRAP_ON_START": "1",
+}
 
 
 def documents(path: Path) -> list[dict]:
@@ -130,7 +149,7 @@ def test_one_sqs_trigger_per_priority_reading_the_workers_queue_urls(name):
     assert lengths == sorted(lengths), "high must scale out first"
 
 
-def test_the_two_sites_differ_only_in_endpoints_and_credentials():
+def test_the_two_sites_differ_only_in_endpoints_credentials_and_the_named_settings():
     onprem, eks = site("onprem"), site("eks")
     assert onprem.keys() == eks.keys()
     a, b = onprem[("ScaledObject", "sluice-worker")], eks[("ScaledObject", "sluice-worker")]
@@ -143,8 +162,60 @@ def test_the_two_sites_differ_only_in_endpoints_and_credentials():
     endpoints = {k for k in on_cfg if k.startswith("AWS_ENDPOINT_URL_")}
     assert endpoints == {"AWS_ENDPOINT_URL_SQS", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_ENDPOINT_URL_CLOUDWATCH",
                          "AWS_ENDPOINT_URL_S3"}
-    assert set(on_cfg) - endpoints == set(eks_cfg)
+    assert set(on_cfg) - endpoints - set(ONPREM_ONLY) == set(eks_cfg) - set(EKS_ONLY)
+    assert set(EKS_ONLY) <= set(eks_cfg) and not set(EKS_ONLY) & set(on_cfg)
+    assert set(ONPREM_ONLY) <= set(on_cfg) and not set(ONPREM_ONLY) & set(eks_cfg)
+    for config, named in ((eks_cfg, EKS_ONLY), (on_cfg, ONPREM_ONLY)):
+        for key, value in named.items():
+            assert value is None or config[key] == value, key  # None: checked against the stack below
     assert "AWS_ENDPOINT_URL" not in on_cfg
+
+
+def test_eks_workers_send_metrics_to_cloudwatch():
+    # As the stack's own workers do (cdk/workers_eks_construct.py): EMF on stdout
+    # never becomes a metric on EKS.
+    assert site("eks")[("ConfigMap", "sluice-config")]["data"]["SLUICE_METRICS_SINK"] == "cloudwatch"
+    assert "SLUICE_METRICS_SINK" not in site("onprem")[("ConfigMap", "sluice-config")]["data"]
+
+
+class _Context:
+    """What SluiceConfig.from_context reads from a CDK node: cdk.json's context."""
+
+    def __init__(self):
+        self.context = json.loads((ROOT / "cdk.json").read_text())["context"]
+
+    def try_get_context(self, key):
+        return self.context.get(key)
+
+
+def test_eks_workers_use_the_stacks_max_attempts_visibility_and_grace_period():
+    # The stack made the queues with maxReceiveCount = max_attempts and its visibility
+    # timeout; a worker with other values spends attempts the queue does not count, or
+    # lets a message reappear while its batch still runs.
+    from cdk.config import SluiceConfig
+
+    eks = site("eks")
+    config = eks[("ConfigMap", "sluice-config")]["data"]
+    for stack in (SluiceConfig(), SluiceConfig.from_context(_Context())):
+        assert int(config["SLUICE_MAX_ATTEMPTS"]) == stack.max_attempts
+        assert int(config["SLUICE_VISIBILITY_TIMEOUT_S"]) == stack.visibility_timeout_s
+        pod = eks[("Deployment", "sluice-worker")]["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == stack.termination_grace_s
+    # Strings (a ConfigMap's data holds nothing else) that the worker accepts.
+    worker = Settings(max_attempts=config["SLUICE_MAX_ATTEMPTS"],
+                      visibility_timeout_s=config["SLUICE_VISIBILITY_TIMEOUT_S"])
+    assert (worker.max_attempts, worker.visibility_timeout_s) == (stack.max_attempts, stack.visibility_timeout_s)
+
+
+def test_onprem_workers_recreate_what_a_restarted_localstack_lost():
+    config = site("onprem")[("ConfigMap", "sluice-config")]["data"]
+    assert config["SLUICE_BOOTSTRAP_ON_START"] == "1"
+    # Bootstrap creates the queues by name (SLUICE_QUEUE_PREFIX): the URLs the worker
+    # and KEDA read must name those very queues.
+    settings = Settings(queue_prefix=Settings.model_fields["queue_prefix"].default)
+    for priority in Priority:
+        assert config[f"SLUICE_QUEUE_URL_{priority.value.upper()}"].rsplit("/", 1)[1] == settings.queue_name(priority)
+    assert "SLUICE_QUEUE_PREFIX" not in config
 
 
 def test_worker_pod_gets_one_gpu_runs_non_root_and_is_covered_by_the_pdb():
