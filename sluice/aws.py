@@ -26,12 +26,17 @@ from sluice.settings import Settings
 # It also names Sluice as the caller in CloudTrail.
 _USER_AGENT = f"sluice/{__version__} botocore/{botocore.__version__} python/{platform.python_version()}"
 
-# A call that has not answered within this is retried (standard mode, 3 tries):
-# a hung dependency costs a caller about 15 s, not minutes, so the API answers
-# 503 well inside API Gateway's 29 s and its rollback runs (a submit the client
-# gave up on must not land later). Every call Sluice makes answers in
-# milliseconds but one: a receive's long poll, which gets its wait on top.
+# A call that has not answered within this is retried (standard mode, 3 tries in
+# all): a hung dependency costs a caller at most about 15 s (3 × 4 s, and the
+# two backoffs between: under 0.2 s with this botocore, up to 1 s and 2 s with
+# older ones, as a Lambda runtime's may be), not minutes, so the API answers 503
+# well inside API Gateway's 29 s and its rollback runs (a submit the client gave
+# up on must not land later). Every call Sluice makes answers in milliseconds
+# but one: a receive's long poll, which gets its wait on top.
 _READ_TIMEOUT_S = 4
+# botocore's `max_attempts` counts the retries alone (3 made 4 requests: 16 s,
+# and up to 23 s with the older backoff); `total_max_attempts` counts them all.
+_TOTAL_ATTEMPTS = 3
 LONG_POLL_MAX_S = 20  # SQS's longest WaitTimeSeconds
 
 _lock = threading.Lock()
@@ -42,7 +47,7 @@ def client_config(settings: Settings, endpoint_url: str | None = None, long_poll
     custom_s3_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return Config(
         region_name=_region(settings),
-        retries={"mode": "standard", "max_attempts": 3},
+        retries={"mode": "standard", "total_max_attempts": _TOTAL_ATTEMPTS},
         user_agent=_USER_AGENT,
         parameter_validation=False,
         connect_timeout=2,
@@ -86,12 +91,12 @@ def new_client(service: str, settings: Settings, endpoint_url: str | None = None
 
 
 def client(service: str, settings: Settings, long_poll: bool = False):
-    """A shared, thread-safe client per (service, process, endpoint, long_poll)."""
-    # The endpoint variables are part of the key: a process that talks to one
-    # emulator and then another (tests, the embedded launcher) must not reuse
-    # a client bound to the first.
+    """A shared, thread-safe client per (service, process, endpoint, region, long_poll)."""
+    # The endpoint variables and the region are part of the key: a process that
+    # talks to one emulator or region and then another (tests, the embedded
+    # launcher) must not reuse a client bound to the first.
     endpoints = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_ENDPOINT_URL")))
-    key = (service, str(os.getpid()), endpoints, long_poll)
+    key = (service, str(os.getpid()), endpoints, _region(settings), long_poll)
     with _lock:
         if key not in _clients:
             _clients[key] = new_client(service, settings, long_poll=long_poll)

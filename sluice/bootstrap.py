@@ -26,9 +26,11 @@ def ensure_resources(settings: Settings) -> dict[str, str]:
 
 def ensure_resources_on_start() -> None:
     """The on-prem containers' first step when SLUICE_BOOTSTRAP_ON_START=1 (set by
-    onprem/compose.yaml only). LocalStack keeps everything in memory, and after a
-    host reboot Docker restarts the containers without the compose `init` step:
-    the API and the workers then create what is missing themselves. A failure
+    onprem/compose.yaml and onprem/k8s/onprem/config.yaml). LocalStack keeps
+    everything in memory, and after a host reboot Docker restarts the containers
+    without the compose `init` step (or LocalStack's pod restarts, and a worker
+    whose queue stays missing exits): the API and the workers then create what
+    is missing themselves. A failure
     ends the process, and its restart policy tries again. Elsewhere (AWS, where
     the stack owns the resources and the roles may not create them) it does nothing."""
     if os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() not in ("1", "true"):
@@ -41,10 +43,8 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
     sqs = client("sqs", settings)
     urls: dict[str, str] = {}
     for priority in Priority:
-        dlq_url = sqs.create_queue(
-            QueueName=settings.queue_name(priority, dlq=True),
-            Attributes={"MessageRetentionPeriod": str(MESSAGE_RETENTION_S)},
-        )["QueueUrl"]
+        dlq_url = _ensure_queue(sqs, settings.queue_name(priority, dlq=True),
+                                {"MessageRetentionPeriod": str(MESSAGE_RETENTION_S)})
         dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         # A task's last attempt ends with its message released, and that
         # message's next receive must move it to the DLQ: the queue's
@@ -54,19 +54,24 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
             "VisibilityTimeout": str(settings.visibility_timeout_s),
             "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_attempts)}),
         }
-        name = settings.queue_name(priority)
-        try:
-            url = sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
-        except ClientError as err:
-            # AWS and moto say QueueAlreadyExists, LocalStack QueueNameExists.
-            if err.response["Error"]["Code"] not in ("QueueAlreadyExists", "QueueNameExists"):
-                raise
-            # Created before with other settings (a persistent on-prem LocalStack).
-            url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
-            sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
-        urls[priority.value] = url
+        urls[priority.value] = _ensure_queue(sqs, settings.queue_name(priority), attributes)
         urls[f"{priority.value}-dlq"] = dlq_url
     return urls
+
+
+def _ensure_queue(sqs, name: str, attributes: dict[str, str]) -> str:
+    """The queue's URL, created with these attributes or given them."""
+    try:
+        return sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+    except ClientError as err:
+        # AWS and moto say QueueAlreadyExists, LocalStack QueueNameExists.
+        if err.response["Error"]["Code"] not in ("QueueAlreadyExists", "QueueNameExists"):
+            raise
+    # Created before with other settings (a persistent on-prem LocalStack, an
+    # earlier release): a DLQ as much as a queue, or bootstrap would stop half-way.
+    url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
+    sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
+    return url
 
 
 def ensure_tables(settings: Settings) -> None:
@@ -106,8 +111,12 @@ def ensure_bucket(settings: Settings) -> None:
     try:
         s3.head_bucket(Bucket=settings.bucket)
     except ClientError:
+        # Outside us-east-1 S3 refuses a bucket without its region named (on
+        # the endpoint of a region, it must name that one: the client's).
+        region = s3.meta.region_name
+        where = {"CreateBucketConfiguration": {"LocationConstraint": region}} if region != "us-east-1" else {}
         try:
-            s3.create_bucket(Bucket=settings.bucket)
+            s3.create_bucket(Bucket=settings.bucket, **where)
         except ClientError as err:
             if err.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":  # another process made it meanwhile
                 raise

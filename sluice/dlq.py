@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -246,9 +245,9 @@ def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
     return 1
 
 
-def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event) -> None:
-    """settle_dead every SLUICE_DLQ_SETTLE_S seconds (jittered) until `done`."""
-    every_s = float(os.environ.get("SLUICE_DLQ_SETTLE_S", "30"))
+def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event,
+                every_s: float) -> None:
+    """settle_dead about every `every_s` seconds (jittered by half either way) until `done`."""
     known_final: set[str] = set()
     while not done.wait(every_s * random.uniform(0.5, 1.5)):
         try:

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+from pydantic import Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The catalogue's names only: models.registry never imports torch (the API's
+# Lambda bundle carries it, and a model's code is imported only when a worker builds it).
+from models.registry import CATALOGUE
 from sluice.contract import Priority
 
 
@@ -21,6 +27,33 @@ ENV_PREFIX = "SLUICE_"
 
 class SettingsError(ValueError):
     """Settings refused at start-up, a line per variable: `SLUICE_X='value': why`."""
+
+
+# DynamoDB refuses an item over 400 KB (409,600 bytes, names and values together),
+# and an inline result shares its task's item with the rest of the record: ids,
+# times, the metadata (16 keys of up to 64 characters with values of up to 256,
+# at most ~20 KB in UTF-8), an error message of up to 1,000 characters. A result
+# past what is left fails its outcome write on every attempt (ValidationException)
+# and the task dead-letters; 300,000 leaves the rest over 100 KB.
+INLINE_RESULT_LIMIT_BYTES = 300_000
+# SQS refuses a message over 1 MiB, and a SendMessageBatch whose messages come to
+# more than 1 MiB together (AWS since 2025, moto and LocalStack 4.13 alike; 256 KiB
+# before). The API sends its messages ten to a SendMessageBatch
+# (sluice.adapters.queues), and what it measures against the setting is the inputs
+# alone, as json.dumps writes them (sluice.api.service): a message holds them in no
+# more bytes, beside its other fields (ids, model, times: a few hundred bytes). Ten
+# messages at this size leave each 2,457 bytes for those fields within 1 MiB.
+INLINE_PAYLOAD_LIMIT_BYTES = 100 * 1024
+# The worker's heartbeat (sluice.worker.main) extends its held messages every
+# visibility/4 s, but at most once a second: a message is first extended up to two
+# periods after its receive, and if that call fails the next tick still comes a
+# period before the message reappears. Below 4 s the 1 s floor breaks this: at 1 a
+# message reappears before its first extension, at 2 just as it comes, at 3 one
+# failed call lets it lapse (each lapse is a receive, counted toward the DLQ). Small
+# values are for tests (tests/reliability runs at 5 s so that the messages of a
+# killed worker come back quickly); from about 10 s the first extension also
+# outlasts a call retried after its read timeout (4 s, sluice.aws).
+VISIBILITY_TIMEOUT_MIN_S = 4
 
 
 class Settings(BaseSettings):
@@ -53,8 +86,12 @@ class Settings(BaseSettings):
 
     # A value out of range fails at start-up, naming the variable, rather than
     # as every task failing later (a batch size of 0, a wait SQS refuses).
-    inline_payload_max_bytes: int = Field(default=64 * 1024, ge=0)
-    inline_result_max_bytes: int = Field(default=32 * 1024, ge=0)
+    inline_payload_max_bytes: int = Field(
+        default=64 * 1024, ge=0, le=INLINE_PAYLOAD_LIMIT_BYTES,
+        description="Inputs larger than this (as JSON) go to S3, the message carries their key.")
+    inline_result_max_bytes: int = Field(
+        default=32 * 1024, ge=0, le=INLINE_RESULT_LIMIT_BYTES,
+        description="Results larger than this (as JSON) go to S3, the task record their key.")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     presign_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's limit
     # Only presigned result URLs name this endpoint; every S3 call still goes to
@@ -73,7 +110,7 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1)
     max_wait_ms: int = Field(default=10, ge=0)
     priority_weights: str = Field(default="high=6,normal=3,low=1", pattern=r"^(\s*(high|normal|low)\s*=\s*[0-9]+\s*(,|$))*$")
-    visibility_timeout_s: int = Field(default=60, ge=1, le=12 * 3600)  # SQS's limits
+    visibility_timeout_s: int = Field(default=60, ge=VISIBILITY_TIMEOUT_MIN_S, le=12 * 3600)  # SQS's at most
     max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
     receive_wait_s: int = Field(default=1, ge=0, le=20)  # SQS's long-poll limits
     inference_timeout_s: int = Field(default=900, ge=1, description="A batch in inference longer than this ends "
@@ -85,6 +122,49 @@ class Settings(BaseSettings):
     metrics_sink: Literal["stdout", "cloudwatch"] = Field(
         default="stdout", description="Worker metrics as EMF lines on stdout, or sent with CloudWatch "
                                       "PutMetricData (EKS, whose log agent does not turn EMF lines into metrics).")
+    dlq_settle_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False,
+        description="A worker settles the tasks dead-lettered without an outcome (sluice.dlq) about this often, "
+                    "jittered by half either way.")
+    queue_missing_exit_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False,
+        description="A worker whose receives find a queue missing this long, none working in between, exits 75 "
+                    "for its orchestrator to restart it (on-prem, the restart's bootstrap recreates the queues).")
+
+    @field_validator("models")
+    @classmethod
+    def _models_in_the_catalogue(cls, value: str) -> str:
+        # An unknown name would leave the API serving none of them (every submit
+        # 422) and fail the worker as it builds its models.
+        names = [m.strip() for m in value.split(",") if m.strip()]
+        known = ", ".join(CATALOGUE)
+        if not names:
+            raise PydanticCustomError("no_model", "names no model; the catalogue has {known}", {"known": known})
+        unknown = [n for n in names if n not in CATALOGUE]
+        if unknown:
+            raise PydanticCustomError("unknown_model", "unknown model {unknown}; the catalogue has {known}",
+                                      {"unknown": ", ".join(map(repr, unknown)), "known": known})
+        return value
+
+    @field_validator("s3_public_endpoint")
+    @classmethod
+    def _an_http_url(cls, value: str | None) -> str | None:
+        # boto3 takes the endpoint only as a URL: `10.0.0.5:9000` would stop the
+        # API at start with botocore's "Invalid endpoint", naming no variable.
+        if not value:
+            return None  # unset; an empty value too, as onprem/.env.example writes it
+        parts = urlsplit(value)
+        try:
+            parts.port
+        except ValueError:
+            valid = False
+        else:
+            valid = parts.scheme in ("http", "https") and bool(
+                is_valid_endpoint_url(value) or is_valid_ipv6_endpoint_url(value))
+        if not valid:
+            raise PydanticCustomError("url", "should be an http:// or https:// URL with a host, "
+                                             "e.g. http://10.0.0.5:9000")
+        return value
 
     def queue_url_override(self, priority: Priority) -> str | None:
         return getattr(self, f"queue_url_{priority.value}")

@@ -5,7 +5,7 @@ prefetched (visibility 0), finishes the batch in inference and exits 0. It
 stops the same way, exiting 1, once the model fails every task of several
 batches in a row (sluice.worker.runner.BROKEN_AFTER), and exiting
 EXIT_QUEUE_MISSING (75) once a queue it receives from has not existed for
-QUEUE_MISSING_EXIT_S (an on-prem LocalStack restarted and lost its queues):
+Settings.queue_missing_exit_s (an on-prem LocalStack restarted and lost its queues):
 only a restart, whose bootstrap recreates them (SLUICE_BOOTSTRAP_ON_START),
 brings them back. Other receive errors (throttling, an endpoint that refuses
 connections) are retried for as long as they last.
@@ -36,10 +36,9 @@ log = logging.getLogger("sluice.worker")
 # SLUICE_LOG_LEVEL, in any case: the API's uvicorn takes `debug`, logging only `DEBUG`.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-# How long a receiver goes on finding its queue missing, with no receive that
-# worked in between, before the worker exits EXIT_QUEUE_MISSING so that its
-# orchestrator restarts it. SLUICE_QUEUE_MISSING_EXIT_S overrides it.
-QUEUE_MISSING_EXIT_S = 30.0
+# Settings.queue_missing_exit_s: how long a receiver goes on finding its queue
+# missing, with no receive that worked in between, before the worker exits with
+# this, so that its orchestrator restarts it.
 EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
 # A queue that does not exist, as botocore reports it: the error's Code, and its
 # QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
@@ -56,17 +55,6 @@ def log_level(environ=os.environ) -> str:
     return level
 
 
-def queue_missing_exit_s(environ=os.environ) -> float:
-    raw = environ.get("SLUICE_QUEUE_MISSING_EXIT_S") or str(QUEUE_MISSING_EXIT_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise SettingsError(f"SLUICE_QUEUE_MISSING_EXIT_S={raw!r}: should be a number of seconds above 0")
-    return value
-
-
 def queue_missing(exc: BaseException) -> bool:
     """Whether a receive failed because its queue does not exist (not a throttle,
     not an endpoint that cannot be reached: those are retried for ever)."""
@@ -77,9 +65,8 @@ def queue_missing(exc: BaseException) -> bool:
 
 
 class Worker:
-    def __init__(self, settings: Settings, models: dict, queue_missing_exit_s: float = QUEUE_MISSING_EXIT_S):
+    def __init__(self, settings: Settings, models: dict):
         self.settings = settings
-        self.queue_missing_exit_s = queue_missing_exit_s
         self.queues_missing = False  # run() then returns EXIT_QUEUE_MISSING
         self.queues = PriorityQueues(settings)
         self.policy = WeightedPriorityPolicy(settings.weights())
@@ -119,7 +106,7 @@ class Worker:
                 if queue_missing(exc):
                     now = time.monotonic()
                     missing_since = now if missing_since is None else missing_since
-                    if now - missing_since >= self.queue_missing_exit_s:
+                    if now - missing_since >= self.settings.queue_missing_exit_s:
                         self._queue_gone(priority, now - missing_since, exc)
                         return
                 log.warning("receive from %s failed (%s); retrying in %.1fs", priority.value, exc, backoff)
@@ -220,7 +207,8 @@ class Worker:
         watchdog = threading.Thread(target=self._watchdog_loop, name="sluice-watchdog", daemon=True)
         # Gives an outcome to tasks whose message was dead-lettered without one (sluice/dlq.py).
         dead = threading.Thread(target=settle_loop, args=(self.queues, self.runner.store, self.settings.max_attempts,
-                                                          self._done), name="sluice-dlq", daemon=True)
+                                                          self._done, self.settings.dlq_settle_s),
+                                name="sluice-dlq", daemon=True)
         for t in receivers:
             t.start()
         heartbeat.start()
@@ -263,13 +251,12 @@ def main() -> int:
     logging.getLogger("botocore").setLevel(logging.WARNING)
     try:
         settings = Settings()
-        missing_exit_s = queue_missing_exit_s()
     except SettingsError as exc:
         log.error("refused settings:\n%s", exc)
         return 2
     from models.registry import load_models
 
-    worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads), missing_exit_s)
+    worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads))
     signal.signal(signal.SIGTERM, worker.stop)
     signal.signal(signal.SIGINT, worker.stop)
     return worker.run()

@@ -18,7 +18,7 @@ from sluice.contract import Priority, SubmitRequest, TaskStatus
 from sluice.worker.main import Worker
 
 
-def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch, aws_calls):
+def test_a_running_worker_stays_within_the_eks_worker_role(settings, aws_calls):
     sqs = boto3.client("sqs")
     urls = {p: sqs.get_queue_url(QueueName=settings.queue_name(p))["QueueUrl"] for p in Priority}
     # As the stack configures the pods: explicit queue URLs, a prefix that is not the queues'.
@@ -26,8 +26,8 @@ def test_a_running_worker_stays_within_the_eks_worker_role(settings, monkeypatch
     settings = settings.model_copy(update={
         **{f"queue_url_{p.value}": url for p, url in urls.items()},
         "queue_prefix": "not-the-stacks-prefix", "inline_payload_max_bytes": 64, "inline_result_max_bytes": 1,
+        "dlq_settle_s": 0.2,
     })
-    monkeypatch.setenv("SLUICE_DLQ_SETTLE_S", "0.2")
     service = TaskService(settings)
     ids = [service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[x * 100]), None).task_id
            for x in "ab"]

@@ -20,12 +20,12 @@ from models.synthetic import SyntheticModel
 from onprem.embedded import emulator_env, free_port
 from sluice.adapters.queues import PriorityQueues
 from sluice.contract import Priority
-from sluice.settings import SettingsError
-from sluice.worker.main import EXIT_QUEUE_MISSING, QUEUE_MISSING_EXIT_S, Worker, queue_missing_exit_s
+from sluice.settings import Settings, SettingsError
+from sluice.worker.main import EXIT_QUEUE_MISSING, Worker
 from tests.conftest import ROOT
 from tests.reliability.harness import wait_until
 
-# The product waits QUEUE_MISSING_EXIT_S (30 s); the process here is told 2 s.
+# The product waits Settings.queue_missing_exit_s (30 s); the process here is told 2 s.
 EXIT_AFTER_S = 2
 
 
@@ -77,12 +77,15 @@ def test_a_worker_whose_queues_are_deleted_exits_non_zero(settings, moto_endpoin
             worker.wait(10)
 
 
-def test_the_wait_before_exiting_is_a_setting_with_a_sensible_default():
-    assert queue_missing_exit_s({}) == QUEUE_MISSING_EXIT_S == 30
-    assert queue_missing_exit_s({"SLUICE_QUEUE_MISSING_EXIT_S": "2.5"}) == 2.5
+def test_the_wait_before_exiting_is_a_setting_with_a_sensible_default(monkeypatch):
+    monkeypatch.delenv("SLUICE_QUEUE_MISSING_EXIT_S", raising=False)
+    assert Settings().queue_missing_exit_s == 30
+    monkeypatch.setenv("SLUICE_QUEUE_MISSING_EXIT_S", "2.5")
+    assert Settings().queue_missing_exit_s == 2.5
     for bad in ("abc", "0", "-1", "nan"):
+        monkeypatch.setenv("SLUICE_QUEUE_MISSING_EXIT_S", bad)
         with pytest.raises(SettingsError, match="SLUICE_QUEUE_MISSING_EXIT_S"):
-            queue_missing_exit_s({"SLUICE_QUEUE_MISSING_EXIT_S": bad})
+            Settings()
 
 
 def receiving(worker: Worker, priority: Priority) -> threading.Thread:
@@ -109,7 +112,8 @@ def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(setting
     # for a missing queue, the receiver would have stopped the worker by then.
     if error == "connection refused":
         monkeypatch.setenv("AWS_ENDPOINT_URL_SQS", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, queue_missing_exit_s=0.1)
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1}),
+                    {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     calls, enough = [], threading.Event()
     if error == "throttled":
         def receive(*_):
@@ -132,7 +136,8 @@ def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(setting
 def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, monkeypatch):
     # Missing, missing, found (a bootstrap elsewhere recreated it), ...: no run of
     # "missing" lasts the limit, though together they last far longer.
-    worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, queue_missing_exit_s=1.0)
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
+                    {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     missing = ClientError({"Error": {"Code": "AWS.SimpleQueueService.NonExistentQueue", "QueryErrorCode":
                                      "QueueDoesNotExist", "Message": "The specified queue does not exist."}},
                           "ReceiveMessage")
@@ -158,7 +163,8 @@ def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, 
     assert not thread.is_alive()
 
     # The queue never found again: the receiver stops the worker once the limit is past.
-    worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, queue_missing_exit_s=1.0)
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
+                    {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
 
     def always_missing(*_):
         raise missing
