@@ -38,8 +38,20 @@ def _state() -> dict:
 
 
 def _alive(pid) -> bool:
+    """Whether `pid` is a running `make run` launcher (`python -m onprem.embedded`).
+    Where /proc tells, by its command line: the pid of a launcher killed long ago
+    may name another process by now."""
     if not isinstance(pid, int) or pid <= 0:  # 0 and below name process groups
         return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if cmdline:  # empty while a process execs, and for a zombie: then asked as below
+            return b"onprem.embedded" in cmdline
+    except FileNotFoundError:
+        if Path("/proc/self").exists():  # /proc is there, the process is not
+            return False
+    except OSError:
+        pass
     try:
         os.kill(pid, 0)
     except PermissionError:  # it exists, as another user's
@@ -55,9 +67,12 @@ def _use_embedded_endpoints() -> None:
     if any(k.startswith("AWS_ENDPOINT_URL") for k in os.environ):
         return
     env = _state().get("env", {})
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
     if env:
+        # All of it, the region and keys too: the emulator's resources exist in
+        # its region only, and a profile of the operator's has no say here.
+        os.environ.update(env)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            os.environ.pop(name, None)
         endpoints = ", ".join(v for k, v in sorted(env.items()) if k.startswith("AWS_ENDPOINT_URL"))
         print(f"sluice: using the `make run` emulator at {endpoints} ({STATE_FILE})", file=sys.stderr)
 
@@ -408,14 +423,14 @@ def _aws_context() -> str:
     from sluice.settings import Settings
 
     settings = Settings()
-    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    endpoints = ", ".join(f"{k} {v}" for k, v in sorted(os.environ.items()) if k.startswith("AWS_ENDPOINT_URL"))
     try:  # the profile's region, read again: the very error being reported may come from there
         region = client_config(settings).region_name
     except BotoCoreError:
         region = settings.region
     return (f"queue prefix {settings.queue_prefix}, tasks table {settings.tasks_table}, keys table "
             f"{settings.keys_table}, region {region}"
-            + (f", endpoint {endpoint}" if endpoint else ""))
+            + (f", {endpoints}" if endpoints else ""))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from onprem.embedded import free_port
 from sluice import cli
 from tests.http_stub import serving
+from tests.reliability.harness import wait_until
 
 
 class Gateway(BaseHTTPRequestHandler):
@@ -123,11 +125,42 @@ def test_a_state_file_left_by_a_killed_launcher_is_ignored(embedded_state, capsy
     assert capsys.readouterr().err == ""
 
 
-def test_the_running_launchers_state_is_used_and_named(embedded_state, capsys):
-    embedded_state(os.getpid())
+@pytest.fixture
+def launcher():
+    """A process whose command line is a `make run` launcher's (`python -m onprem.embedded`)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "-m", "onprem.embedded"],
+                            stdin=subprocess.PIPE)
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    if cmdline.parent.exists():  # the kernel shows the command line a moment after exec
+        wait_until(lambda: cmdline.read_bytes(), 10, "the process's command line in /proc")
+    yield proc
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def test_the_running_launchers_state_is_used_and_named(embedded_state, launcher, capsys):
+    embedded_state(launcher.pid)
     cli._settings()
     assert os.environ["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
     assert "http://127.0.0.1:9" in capsys.readouterr().err  # the operator sees where commands go
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/cmdline"), reason="tells a launcher by its /proc command line")
+def test_a_state_file_whose_pid_now_names_another_process_is_ignored(embedded_state, capsys):
+    # A launcher killed long ago: its pid may be reused by any process.
+    embedded_state(os.getpid())
+    cli._settings()
+    assert "AWS_ENDPOINT_URL" not in os.environ and capsys.readouterr().err == ""
+
+
+def test_the_launchers_region_and_keys_win_over_the_operators(embedded_state, launcher, monkeypatch):
+    # The emulator's queues exist in its region only; an exported AWS_REGION or profile is for AWS.
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_PROFILE", "production")
+    embedded_state(launcher.pid)
+    cli._settings()
+    assert os.environ["AWS_REGION"] == "us-east-1" and os.environ["AWS_ACCESS_KEY_ID"] == "embedded"
+    assert "AWS_PROFILE" not in os.environ
 
 
 @pytest.mark.parametrize("command, env, named", [
