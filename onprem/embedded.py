@@ -8,7 +8,10 @@ the bucket, registers a demo API key, then runs the API and the workers with
 the same entrypoints the container images use (containers/*/main.py), as
 processes. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops workers first
 (they finish their batch), then the API, then the emulator: the children run in
-sessions of their own, so nothing else would stop them. A worker that exits is
+sessions of their own, so nothing else would stop them. The same during start-up
+stops it at once; a second one kills every child without waiting out its grace.
+On Linux each child also gets SIGTERM if the launcher itself dies (kill -9, the
+OOM killer), so none is left holding its port. A worker that exits is
 restarted after a delay that doubles with each exit in a row (1 s, 2 s, ... 30 s);
 one that exits WORKER_RESTART_LIMIT times in a row without becoming ready ends
 the launcher with an error, rather than restarting forever.
@@ -17,6 +20,7 @@ the launcher with an error, rather than restarting forever.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -24,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -71,17 +76,95 @@ class PortInUse(RuntimeError):
     pass
 
 
+class StartupStopped(Exception):
+    """A stop (Ctrl-C, SIGTERM, SIGHUP) came while the stack was starting: no failure."""
+
+
+class RefusedSetting(ValueError):
+    """A launcher setting refused in one line that names its variable: `SLUICE_X='value': why`."""
+
+
+def int_from(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number within bounds, refused in argparse's one line."""
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of {low} or more"
+            raise argparse.ArgumentTypeError(f"{raw!r}: should be a whole number {bounds}")
+        return value
+    return parse
+
+
+def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return int_from(low, high)(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise RefusedSetting(f"{name}={exc}") from None
+
+
+def env_choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The variable's value, one of `allowed`; unset or empty: `default`. A typo
+    must not quietly run another emulator than the one asked for."""
+    value = os.environ.get(name) or default
+    if value not in allowed:
+        raise RefusedSetting(f"{name}={value!r}: should be one of {', '.join(allowed)}")
+    return value
+
+
+SQS_EMULATORS = ("moto", "localstack")
+DDB_EMULATORS = ("moto", "dynalite")
+
+# prctl(2): the signal a process gets when the thread that forked it exits.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> Callable[[], None] | None:
+    """On Linux, a preexec_fn that has the child sent SIGTERM when the launcher
+    dies, however it dies: with kill -9 or the OOM killer no handler runs to stop
+    the children, and each (in a session of its own) would keep running, holding
+    its port against the next `make run`. The kernel ties the signal to the
+    thread that forks, so this applies only to children spawned from the main
+    thread, which lives as long as the process (the launcher spawns from no
+    other); elsewhere, and off Linux, None."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0),
+              ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != launcher:  # it died before prctl took hold: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout_s: float, ok=(200,), alive: subprocess.Popen | None = None) -> None:
-    """Poll until the URL answers; gives up early if `alive` (the server) has exited."""
+def wait_http(url: str, timeout_s: float, ok=(200,), alive: subprocess.Popen | None = None,
+              stop: Callable[[], bool] | None = None) -> None:
+    """Poll until the URL answers; gives up early if `alive` (the server) has exited,
+    and raises StartupStopped once `stop()` says a stop was asked (within a poll:
+    at most 2 s against a server that accepts and never answers)."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
+        if stop is not None and stop():
+            raise StartupStopped(f"stopped while waiting for {url}")
         if alive is not None and alive.poll() is not None:
             raise RuntimeError(f"the process serving {url} exited with {alive.returncode}")
         try:
@@ -117,13 +200,13 @@ DYNALITE = ROOT / "onprem" / "dynalite" / "node_modules" / ".bin" / "dynalite"
 def default_sqs() -> str:
     """What `make run` uses: LocalStack when make install built it. moto's SQS
     slows as a queue grows and halved end-to-end throughput (docs/benchmarks.md)."""
-    return os.environ.get("SLUICE_EMBEDDED_SQS") or ("localstack" if LOCALSTACK_PYTHON.exists() else "moto")
+    return env_choice("SLUICE_EMBEDDED_SQS", SQS_EMULATORS, "localstack" if LOCALSTACK_PYTHON.exists() else "moto")
 
 
 def default_ddb() -> str:
     """What `make run` uses: dynalite when make install built it (it needs npm).
     moto's DynamoDB costs 4-17x more CPU per call (docs/benchmarks.md)."""
-    return os.environ.get("SLUICE_EMBEDDED_DDB") or ("dynalite" if DYNALITE.exists() else "moto")
+    return env_choice("SLUICE_EMBEDDED_DDB", DDB_EMULATORS, "dynalite" if DYNALITE.exists() else "moto")
 
 
 def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
@@ -168,12 +251,13 @@ class Stack:
     api_port: int
     workers: int = 2
     emulator_port: int = 0
-    # "moto" or "localstack": moto's SQS slows as a queue grows, LocalStack's stays
-    # flat (docs/benchmarks.md); DynamoDB and S3 stay on moto either way.
-    sqs: str = field(default_factory=lambda: os.environ.get("SLUICE_EMBEDDED_SQS", "moto"))
+    # SQS on "moto" or "localstack": moto's SQS slows as a queue grows, LocalStack's
+    # stays flat (docs/benchmarks.md). Unset, SLUICE_EMBEDDED_SQS or moto.
+    sqs: str = field(default_factory=lambda: env_choice("SLUICE_EMBEDDED_SQS", SQS_EMULATORS, "moto"))
     sqs_port: int = 0
-    # "moto" or "dynalite" for DynamoDB; S3 stays on moto.
-    ddb: str = field(default_factory=lambda: os.environ.get("SLUICE_EMBEDDED_DDB", "moto"))
+    # DynamoDB on "moto" or "dynalite"; unset, SLUICE_EMBEDDED_DDB or moto. S3 is
+    # on moto whatever either says.
+    ddb: str = field(default_factory=lambda: env_choice("SLUICE_EMBEDDED_DDB", DDB_EMULATORS, "moto"))
     ddb_port: int = 0
     env_overrides: dict[str, str] = field(default_factory=dict)
     log_dir: Path = STATE_DIR / "logs"
@@ -181,6 +265,24 @@ class Stack:
     # Per process: where its log stood when it was started, and when, so that
     # only what this run of it wrote counts (the logs are appended to).
     spawned: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Whether a stop was asked: the start-up's waits end at once when it says so
+    # (StartupStopped) instead of running out their time.
+    stop_asked: Callable[[], bool] | None = None
+    # Set by kill(): stop_process no longer gives a process its grace.
+    killing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sqs not in SQS_EMULATORS:
+            raise RefusedSetting(f"SLUICE_EMBEDDED_SQS={self.sqs!r}: should be one of {', '.join(SQS_EMULATORS)}")
+        if self.ddb not in DDB_EMULATORS:
+            raise RefusedSetting(f"SLUICE_EMBEDDED_DDB={self.ddb!r}: should be one of {', '.join(DDB_EMULATORS)}")
+
+    def check_stop(self) -> None:
+        if self.stop_asked is not None and self.stop_asked():
+            raise StartupStopped("stopped during start-up")
+
+    def wait(self, url: str, timeout_s: float, alive: subprocess.Popen) -> None:
+        wait_http(url, timeout_s, alive=alive, stop=self.stop_asked)
 
     @property
     def url(self) -> str:
@@ -208,9 +310,11 @@ class Stack:
         with open(self.log_dir / f"{name}.log", "ab") as log:
             offset = log.tell()
             # Own session: Ctrl-C in the terminal, or the terminal closing, reaches
-            # the launcher only, which then stops each child in order.
+            # the launcher only, which then stops each child in order. And on
+            # Linux, the launcher's death (kill -9 too) sends each child SIGTERM.
             proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
+                                    preexec_fn=die_with_launcher())
         self.procs[name] = proc
         self.spawned[name] = (offset, time.monotonic())
         return proc
@@ -237,7 +341,8 @@ class Stack:
     def check_api_port(self) -> None:
         if port_in_use(self.api_host, self.api_port):
             raise PortInUse(f"port {self.api_port} on {self.api_host} is already in use (another `make run`?): "
-                            f"stop what listens there, or choose another port with --port N or SLUICE_PORT=N")
+                            f"stop what listens there, or choose another port: SLUICE_PORT=N make run "
+                            f"(or --port N)")
 
     def start_emulator(self) -> None:
         self.emulator_port = self.emulator_port or free_port()
@@ -248,11 +353,11 @@ class Stack:
         proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)])
         sqs = self.start_localstack() if self.sqs == "localstack" else None
         ddb = self.start_dynalite() if self.ddb == "dynalite" else None
-        wait_http(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
+        self.wait(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
         if sqs is not None:
-            wait_http(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
+            self.wait(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
         if ddb is not None:
-            wait_http(f"{self.ddb_url}/", 30, alive=ddb)  # "healthy: dynamodb..." once it listens
+            self.wait(f"{self.ddb_url}/", 30, alive=ddb)  # "healthy: dynamodb..." once it listens
 
     def start_dynalite(self) -> subprocess.Popen:
         self.ddb_port = self.ddb_port or free_port()
@@ -292,7 +397,7 @@ class Stack:
     def start_api(self) -> None:
         self.check_api_port()  # again: the emulator's start left time for another server to take it
         proc = self._spawn("api", [sys.executable, "containers/api/main.py"])
-        wait_http(f"{self.url}/health", 60, alive=proc)
+        self.wait(f"{self.url}/health", 60, alive=proc)
         self.check_alive("api")
 
     def check_alive(self, name: str) -> None:
@@ -310,17 +415,36 @@ class Stack:
     def start(self) -> None:
         self.check_api_port()  # before anything is started
         self.start_emulator()
+        self.check_stop()
         self.bootstrap()
+        self.check_stop()
         self.start_api()
         for i in range(self.workers):
+            self.check_stop()
             self.start_worker(i)
-        wait_http(f"{self.url}/ready", 30, alive=self.procs["api"])
+        self.wait(f"{self.url}/ready", 30, alive=self.procs["api"])
         self.check_alive("api")
+
+    def kill(self) -> None:
+        """SIGKILL to every process now, and to what each started in its session
+        (it leads a process group): a second Ctrl-C, for a child that takes its
+        time over SIGTERM. Safe in a signal handler: poll() gives up rather than
+        wait for a lock that the interrupted code holds."""
+        self.killing = True
+        for proc in list(self.procs.values()):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    proc.kill()
 
     def stop_process(self, name: str, timeout_s: float = 30) -> int | None:
         proc = self.procs.get(name)
         if proc is None or proc.poll() is not None:
             return proc.returncode if proc else None
+        if self.killing:
+            proc.kill()
+            return proc.wait()
         proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(timeout_s)
@@ -344,8 +468,13 @@ class Stack:
     def write_state(self, api_key: str) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         state = {"url": self.url, "api_key": api_key, "env": emulator_env(self.emulator_port, self.sqs_url, self.ddb_url), "pid": os.getpid()}
-        STATE_FILE.write_text(json.dumps(state, indent=2))
-        STATE_FILE.chmod(0o600)
+        # It holds the API key: 0600 from its creation, never readable by others
+        # for a moment; written beside and renamed, so a reader never sees half.
+        part = STATE_FILE.with_name(f".{STATE_FILE.name}.{os.getpid()}")
+        part.unlink(missing_ok=True)
+        with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(json.dumps(state, indent=2))
+        os.replace(part, STATE_FILE)
 
 
 @dataclass
@@ -391,8 +520,16 @@ def supervise(stack: Stack, should_stop: Callable[[], bool], restart_limit: int 
     return 0
 
 
+def served_models(stack: Stack) -> list[str]:
+    """SLUICE_MODELS as the workers read it (sluice.settings; the same default)."""
+    raw = stack.env().get("SLUICE_MODELS") or "minilm-embed,synthetic"
+    return [m.strip() for m in raw.split(",") if m.strip()] or ["minilm-embed"]
+
+
 def print_banner(stack: Stack, key: str) -> None:
     url = stack.url
+    model = served_models(stack)[0]
+    cli_model = "" if model == "minilm-embed" else f" --model {model}"  # the CLI's default
     say(
         f"""
 Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: LocalStack on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
@@ -401,33 +538,45 @@ Demo API key (tenant "demo"): {key}
 
   export SLUICE_API_KEY={key}
   curl -s -X POST {url}/v1/tasks -H "x-api-key: $SLUICE_API_KEY" -H 'content-type: application/json' \\
-       -d '{{"model": "minilm-embed", "inputs": ["The cat sits on the mat."], "priority": "high"}}'
+       -d '{{"model": "{model}", "inputs": ["The cat sits on the mat."], "priority": "high"}}'
   curl -s {url}/v1/tasks/TASK_ID -H "x-api-key: $SLUICE_API_KEY"
-  .venv/bin/sluice submit --wait "The cat sits on the mat."
+  .venv/bin/sluice submit{cli_model} --wait "The cat sits on the mat."
   .venv/bin/sluice keys create --tenant team-a
 
-Ctrl-C stops everything.
+Ctrl-C stops everything. A second Ctrl-C kills it all at once.
 """,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SLUICE_PORT=80a or a misspelled emulator: one line naming the variable, as
+    # sluice.settings words them, not a traceback.
+    try:
+        port, workers = env_int("SLUICE_PORT", 8000, 1, 65535), env_int("SLUICE_WORKERS", 2, 0)
+        sqs, ddb = default_sqs(), default_ddb()
+    except RefusedSetting as exc:
+        say(f"embedded: refused settings: {exc}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("SLUICE_PORT", "8000")))
-    parser.add_argument("--workers", type=int, default=int(os.environ.get("SLUICE_WORKERS", "2")))
+    parser.add_argument("--port", type=int_from(1, 65535), default=port,
+                        help="the API's port (default: SLUICE_PORT, else 8000)")
+    parser.add_argument("--workers", type=int_from(0), default=workers,
+                        help="worker processes (default: SLUICE_WORKERS, else 2)")
     args = parser.parse_args(argv)
 
     # Per-key rate limit on by default here (on AWS, usage plans do it);
     # SLUICE_RATE_LIMIT_PER_S=0 turns it off (docs/reliability.md).
     rate_limit = {"SLUICE_RATE_LIMIT_PER_S": os.environ.get("SLUICE_RATE_LIMIT_PER_S", "100")}
-    stack = Stack(api_port=args.port, workers=args.workers, sqs=default_sqs(), ddb=default_ddb(),
-                  env_overrides=rate_limit)
-    stopping = False
+    signals = 0
+    stack = Stack(api_port=args.port, workers=args.workers, sqs=sqs, ddb=ddb, env_overrides=rate_limit,
+                  stop_asked=lambda: signals > 0)
     wrote_state = False
 
     def on_signal(*_):
-        nonlocal stopping
-        stopping = True
+        nonlocal signals
+        signals += 1
+        if signals > 1:  # the second: no more grace for anyone
+            stack.kill()
 
     # SIGHUP too: a closed terminal must not leave the emulator, API and workers
     # running, each in its own session, with nothing left to stop them.
@@ -439,21 +588,26 @@ def main(argv: list[str] | None = None) -> int:
         key = stack.create_key("demo", os.environ.get("SLUICE_API_KEY") or None)
         stack.write_state(key)
         wrote_state = True
-        if not stopping:
+        if not signals:
             print_banner(stack, key)
-        return supervise(stack, lambda: stopping)
+        return supervise(stack, lambda: signals > 0)
+    except StartupStopped:
+        return 0  # as supervise() returns when told to stop
     except PortInUse as exc:
         say(f"start-up failed: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
+        if signals:  # a child killed by the second signal, say: the stop's doing, not a failure
+            return 0
         say(f"start-up failed: {exc}; logs in {stack.log_dir}/", file=sys.stderr)
         return 1
     finally:
-        say("stopping workers, API and emulator ...")
-        stack.stop()
+        if stack.procs:  # not when the port check refused before anything started
+            say("stopping workers, API and emulator (Ctrl-C again to kill them at once) ...")
+            stack.stop()
+            say("killed." if stack.killing else "stopped.")
         if wrote_state:  # never another launcher's (the one holding the port, say)
             STATE_FILE.unlink(missing_ok=True)
-        say("stopped.")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """`make run`'s launcher (onprem/embedded.py) as a user meets it: started as a
-process, stopped by a signal or its terminal closing, refused a busy port, and
-its supervision of workers that keep exiting. Every wait is bounded and ends on
-an event (a line printed, a process gone), never on a sleep standing in for one."""
+process, stopped by a signal or its terminal closing, killed outright, stopped
+during its start-up, refused a busy port or a setting it cannot use, and its
+supervision of workers that keep exiting. Every wait is bounded and ends on an
+event (a line printed, a process gone), never on a sleep standing in for one."""
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
 import signal
 import socket
+import stat as stat_mode
 import subprocess
 import sys
 import time
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from onprem.embedded import ROOT, Stack, free_port, supervise
+import onprem.embedded as embedded
+from onprem.embedded import ROOT, Stack, free_port, print_banner, supervise
 
 STARTUP_S = 120
 STOP_S = 60
@@ -67,6 +71,91 @@ def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
         time.sleep(0.1)
         left = {p for p in left if alive(p)}
     return left
+
+
+def wait_file_line(path: Path, text: bytes, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_bytes()):
+        assert time.monotonic() < deadline, f"no {text!r} in {path} within {timeout_s}s"
+        time.sleep(0.05)
+
+
+class Launcher:
+    """The launcher as a process, its stdout and stderr read together as they come."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        self.output = b""
+        self.eof = False
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    def _read(self, timeout_s: float) -> None:
+        if not self.eof and select.select([self.proc.stdout], [], [], max(0.0, timeout_s))[0]:
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            self.output += chunk
+            self.eof = not chunk
+
+    def wait_for(self, text: bytes, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output:
+            left = deadline - time.monotonic()
+            assert left > 0 and not self.eof, f"no {text!r} within {timeout_s}s:\n{self.text[-2000:]}"
+            self._read(min(left, 0.5))
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """Its exit status, all its output read; fails if it runs past timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self.eof or self.proc.poll() is None:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the launcher did not exit within {timeout_s}s:\n{self.text[-2000:]}"
+            if self.eof:
+                time.sleep(min(left, 0.05))
+            else:
+                self._read(min(left, 0.5))
+        return self.proc.returncode
+
+    def close(self) -> None:
+        """Whatever is left of this launcher and of the processes it started."""
+        if self.proc.poll() is None:
+            started = descendants(self.proc.pid)
+            self.proc.kill()
+            self.proc.wait()
+            for pid in started:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.stdout.close()
+
+
+HANGING_EMULATOR = """
+import signal, socket, sys
+port = int(sys.argv[sys.argv.index("-p") + 1])
+server = socket.socket()
+server.bind(("127.0.0.1", port))
+server.listen(64)  # connections queue and are never accepted: each request waits out its timeout
+if IGNORE_TERM:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("listening", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+def hanging_emulator_python(tmp_path: Path, ignore_term: bool = False) -> Path:
+    """An interpreter to run the launcher with, beside which `moto_server` (what the
+    launcher runs with SLUICE_EMBEDDED_MOTO=stock: Path(sys.executable).with_name)
+    is an emulator that listens and never answers, as a hung one does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.symlink_to(sys.executable)  # sys.executable stays this path: the link is not resolved
+    emulator = bin_dir / "moto_server"
+    emulator.write_text(f"#!{sys.executable}\nIGNORE_TERM = {ignore_term}\n{HANGING_EMULATOR}")
+    emulator.chmod(0o755)
+    return python
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
@@ -136,6 +225,119 @@ def test_sighup_stops_every_process_the_launcher_started(tmp_path, how):
             os.close(terminal)
 
 
+@pytest.mark.slow
+def test_a_killed_launcher_takes_every_process_it_started_with_it(tmp_path):
+    # kill -9, the OOM killer, an IDE's stop button: no handler runs, yet nothing
+    # may be left holding the port against the next `make run`.
+    launcher = Launcher(launcher_args(free_port()), launcher_env(tmp_path))
+    started: set[int] = set()
+    try:
+        launcher.wait_for(b"Ctrl-C stops everything.", STARTUP_S)
+        started = descendants(launcher.proc.pid)
+        assert len(started) >= 3 and all(alive(p) for p in started), started
+        # The state file holds the API key: for this user only.
+        assert stat_mode.S_IMODE((tmp_path / "embedded.json").stat().st_mode) == 0o600
+        launcher.proc.kill()
+        launcher.proc.wait(10)
+        left = wait_gone(started, STOP_S)
+        assert not left, f"SIGKILL of the launcher left processes it started running: {sorted(left)}"
+    finally:
+        launcher.close()
+        for leftover in started:
+            if alive(leftover):
+                os.kill(leftover, signal.SIGKILL)
+
+
+def hanging_start(tmp_path: Path, ignore_term: bool = False) -> tuple[Launcher, set[int]]:
+    """A launcher waiting on an emulator that never answers, and that emulator's
+    processes, once it listens."""
+    python = hanging_emulator_python(tmp_path, ignore_term)
+    env = {**launcher_env(tmp_path), "SLUICE_EMBEDDED_MOTO": "stock"}
+    launcher = Launcher([str(python), *launcher_args(free_port())[1:]], env)
+    try:
+        wait_file_line(tmp_path / "logs" / "emulator.log", b"listening", 30)
+        emulator = descendants(launcher.proc.pid)
+        assert emulator and all(alive(p) for p in emulator), launcher.text
+    except BaseException:
+        launcher.close()
+        raise
+    return launcher, emulator
+
+
+def test_ctrl_c_during_start_up_stops_it_at_once(tmp_path):
+    # Without a stop check the emulator's wait ran out its 30 s (LocalStack's, 60).
+    launcher, emulator = hanging_start(tmp_path)
+    try:
+        launcher.proc.send_signal(signal.SIGINT)
+        code = launcher.wait_exit(10)
+        assert code == 0, launcher.text  # as for Ctrl-C once it runs
+        assert "start-up failed" not in launcher.text and "Traceback" not in launcher.text, launcher.text
+        assert "stopped." in launcher.text, launcher.text
+        assert not wait_gone(emulator, 5), "the emulator outlived the launcher"
+    finally:
+        launcher.close()
+
+
+def test_a_second_ctrl_c_kills_what_the_first_would_wait_for(tmp_path):
+    # An emulator that ignores SIGTERM would hold the first Ctrl-C for its whole grace (10 s).
+    launcher, emulator = hanging_start(tmp_path, ignore_term=True)
+    try:
+        launcher.proc.send_signal(signal.SIGINT)
+        launcher.wait_for(b"stopping workers, API and emulator", 10)
+        launcher.proc.send_signal(signal.SIGINT)
+        code = launcher.wait_exit(5)
+        assert code == 0, launcher.text
+        assert "killed." in launcher.text and "start-up failed" not in launcher.text, launcher.text
+        assert not wait_gone(emulator, 5), "the emulator outlived the second Ctrl-C"
+    finally:
+        launcher.close()
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("SLUICE_PORT", "80a", "should be a whole number from 1 to 65535"),
+    ("SLUICE_WORKERS", "two", "should be a whole number of 0 or more"),
+    ("SLUICE_EMBEDDED_SQS", "locastack", "should be one of moto, localstack"),
+    ("SLUICE_EMBEDDED_DDB", "dynalyte", "should be one of moto, dynalite"),
+])
+def test_a_setting_it_cannot_use_is_refused_in_one_line(tmp_path, name, value, why):
+    # A misspelled emulator used to run moto instead, unnoticed; a bad number, a traceback.
+    launcher = Launcher(launcher_args(free_port()), {**launcher_env(tmp_path), name: value})
+    try:
+        code = launcher.wait_exit(30)
+    finally:
+        launcher.close()
+    assert code == 2, launcher.text
+    assert launcher.text.strip() == f"embedded: refused settings: {name}={value!r}: {why}"
+    assert not (tmp_path / "logs").exists(), "something was started anyway"
+
+
+def test_the_state_file_is_private_from_its_creation(tmp_path, monkeypatch):
+    state = tmp_path / "embedded.json"
+    monkeypatch.setattr(embedded, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(embedded, "STATE_FILE", state)
+    state.write_text("{}")  # a stale one (its launcher was killed), readable by all
+    state.chmod(0o644)
+    # It holds the API key: its mode must come with its creation, not from a chmod
+    # once the key is in it, which leaves a moment when others can read it.
+    monkeypatch.setattr(Path, "chmod", lambda *args, **kwargs: None)
+    umask = os.umask(0o022)
+    try:
+        Stack(api_port=8000, sqs="moto", ddb="moto").write_state("sk_secret")
+    finally:
+        os.umask(umask)
+    assert stat_mode.S_IMODE(state.stat().st_mode) == 0o600
+    assert json.loads(state.read_text())["api_key"] == "sk_secret"
+    assert [p.name for p in tmp_path.iterdir()] == ["embedded.json"]  # no partial file left beside it
+
+
+def test_the_banner_submits_to_a_model_the_stack_serves(capsys):
+    stack = Stack(api_port=8000, sqs="moto", ddb="moto", env_overrides={"SLUICE_MODELS": "synthetic"})
+    print_banner(stack, "sk_demo")
+    out = capsys.readouterr().out
+    assert '"model": "synthetic"' in out and "minilm-embed" not in out, out
+    assert "sluice submit --model synthetic --wait" in out, out
+
+
 def test_a_busy_api_port_is_refused_before_anything_starts(tmp_path):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -151,8 +353,9 @@ def test_a_busy_api_port_is_refused_before_anything_starts(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr, out
-    assert "--port" in done.stderr  # and how to choose another
+    assert "SLUICE_PORT=N make run" in done.stderr, out  # how to choose another, as `make run` can
     assert not (tmp_path / "logs" / "emulator.log").exists(), "the emulator was started anyway"
+    assert "stopping" not in out and "stopped." not in out, out  # nothing was started to stop
     assert (tmp_path / "embedded.json").exists(), "another launcher's state file was deleted"
 
 
