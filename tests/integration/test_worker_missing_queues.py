@@ -106,6 +106,18 @@ def counting(receive, calls: list, enough: threading.Event, after: int):
     return counted
 
 
+def assert_still_receiving_when(worker: Worker, enough: threading.Event, what: str) -> None:
+    """Receive from `high` until `enough`; the receiver must still be going then, the worker not stopping."""
+    thread = receiving(worker, Priority.high)
+    try:
+        wait_until(lambda: enough.is_set() or not thread.is_alive(), 60, f"{what}, or the receiver's end")
+        assert thread.is_alive() and not worker.stopping.is_set() and not worker.queues_missing
+    finally:
+        worker.stopping.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("error", ["throttled", "connection refused"])
 def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(settings, monkeypatch, error):
     # A limit far shorter than the receives below span: were these errors taken
@@ -121,16 +133,9 @@ def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(setting
     else:
         receive = worker.queues.receive  # the real call, to a port that refuses connections
     monkeypatch.setattr(worker.queues, "receive", counting(receive, calls, enough, after=3))
-    thread = receiving(worker, Priority.high)
-    try:
-        # At the third receive the receiver has judged two failures, the second at
-        # least 0.2 s (its backoff, twice the limit) after the first.
-        wait_until(lambda: enough.is_set() or not thread.is_alive(), 60, "a third receive, or the receiver's end")
-        assert thread.is_alive() and not worker.stopping.is_set() and not worker.queues_missing
-    finally:
-        worker.stopping.set()
-        thread.join(30)
-    assert not thread.is_alive()
+    # At the third receive the receiver has judged two failures, the second at
+    # least 0.2 s (its backoff, twice the limit) after the first.
+    assert_still_receiving_when(worker, enough, "a third receive")
 
 
 def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, monkeypatch):
@@ -151,16 +156,9 @@ def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, 
 
     calls, enough = [], threading.Event()
     monkeypatch.setattr(worker.queues, "receive", counting(receive, calls, enough, after=10))
-    thread = receiving(worker, Priority.high)
-    try:
-        # At the tenth receive nine are judged: three runs of "missing" and "found",
-        # 0.6 s of backoff each, so the first was over 1.8 s (the limit: 1 s) before.
-        wait_until(lambda: enough.is_set() or not thread.is_alive(), 60, "a tenth receive, or the receiver's end")
-        assert thread.is_alive() and not worker.stopping.is_set() and not worker.queues_missing
-    finally:
-        worker.stopping.set()
-        thread.join(30)
-    assert not thread.is_alive()
+    # At the tenth receive nine are judged: three runs of "missing" and "found",
+    # 0.6 s of backoff each, so the first was over 1.8 s (the limit: 1 s) before.
+    assert_still_receiving_when(worker, enough, "a tenth receive")
 
     # The queue never found again: the receiver stops the worker once the limit is past.
     worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
