@@ -72,6 +72,10 @@ class SluiceConfig:
 
     # SageMaker
     sagemaker_instance_type: str = "ml.g5.xlarge"
+    # The hosting AMI, for its NVIDIA driver: without one, SageMaker's default
+    # for ml.g4dn/g5/p4d is driver 470 (CUDA 11.4), on which the worker image's
+    # CUDA 12 torch finds no GPU and /ping never answers. gpu-3-1: driver 550.
+    sagemaker_inference_ami: str = "al2-ami-sagemaker-inference-gpu-3-1"
     min_instances: int = 1
     max_instances: int = 4
     invocations_per_instance: int = 600
@@ -190,10 +194,17 @@ class SluiceConfig:
                          "(g4dn, g5, g6, p4d, ...)" for t in self.gpu_instance_types if not _nvidia_gpu(t)]
         if not self.usage_plans:
             problems.append("usage_plans: at least one")
+        # The longest queue name is `<prefix>-normal-dlq`; SQS takes 80 characters of these.
+        if not _NAME_PREFIX.fullmatch(self.name_prefix):
+            problems.append(f"name_prefix: {self.name_prefix!r} should be 1-69 letters, digits, '-' or '_' "
+                            "(queue names are <prefix>-normal-dlq and the like, at most 80 characters)")
         if not 1 <= self.result_ttl_days <= 3650:
             problems.append("result_ttl_days: 1..3650")
         if problems:
             raise ValueError("invalid sluice configuration: " + "; ".join(problems))
+
+
+_NAME_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,69}")
 
 
 # EC2 and SageMaker families with NVIDIA GPUs: g and p then a generation

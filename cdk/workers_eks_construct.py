@@ -101,7 +101,10 @@ class EksWorkers(Construct):
             desired_size=config.min_nodes,
             max_size=config.max_nodes,
             disk_size=100,
-            labels={"sluice/role": "gpu-worker"},
+            # The accelerator label tells the Cluster Autoscaler a new node's GPUs
+            # are not ready until the device plugin reports them, so a scale-up
+            # from zero does not add a second node while the first boots.
+            labels={"sluice/role": "gpu-worker", "k8s.amazonaws.com/accelerator": "nvidia"},
             taints=[eks.TaintSpec(effect=eks.TaintEffect.NO_SCHEDULE, key=GPU_TAINT, value="true")],
         )
 

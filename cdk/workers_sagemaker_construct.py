@@ -90,11 +90,17 @@ class SageMakerWorkers(Construct):
                     initial_instance_count=config.min_instances,
                     initial_variant_weight=1,
                     container_startup_health_check_timeout_in_seconds=600,
+                    inference_ami_version=config.sagemaker_inference_ami,
                 )
             ],
         )
         self.endpoint = sagemaker.CfnEndpoint(
-            self, "Endpoint", endpoint_config_name=self.endpoint_config.attr_endpoint_config_name
+            self,
+            "Endpoint",
+            endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
+            # An update (a new image, a changed setting) keeps the instance count
+            # autoscaling reached, rather than dropping to min_instances under load.
+            retain_all_variant_properties=True,
         )
         self.endpoint_name = self.endpoint.attr_endpoint_name
 

@@ -59,6 +59,10 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"sagemaker_instance_type": "ml.inf2.xlarge"}, "sagemaker_instance_type"),
         ({"backends": "eks", "gpu_instance_types": "g5.xlarge,c5.xlarge"}, "gpu_instance_types: 'c5.xlarge'"),
         ({"backends": "eks", "gpu_instance_types": "g4ad.xlarge"}, "gpu_instance_types"),
+        # SQS takes queue names of up to 80 characters: `<prefix>-normal-dlq` is 11 more.
+        ({"name_prefix": "a" * 70}, "name_prefix"),
+        ({"name_prefix": "team.a prod"}, "name_prefix"),
+        ({"name_prefix": ""}, "name_prefix"),
     ],
 )
 def test_invalid_configuration_is_refused(raw, message):

@@ -526,6 +526,8 @@ def test_eks_gpu_nodegroup_and_worker_deployment(synth):
     (gpu,) = [g for g in groups if "NVIDIA" in g["AmiType"]]
     assert gpu["InstanceTypes"] == list(config.gpu_instance_types)
     assert gpu["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": "nvidia.com/gpu", "Value": "true"}]
+    # What the Cluster Autoscaler reads to wait for a new node's GPUs rather than add another node.
+    assert gpu["Labels"]["k8s.amazonaws.com/accelerator"] == "nvidia"
     text = manifests(raw)
     for kind in ("Namespace", "ServiceAccount", "Deployment", "PodDisruptionBudget", "ScaledObject", "TriggerAuthentication"):
         assert f'\\"kind\\":\\"{kind}\\"' in text, kind
@@ -609,7 +611,11 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
     (endpoint_config,) = resources(raw, "AWS::SageMaker::EndpointConfig").values()
     (variant,) = endpoint_config["Properties"]["ProductionVariants"]
     assert variant["InstanceType"] == config.sagemaker_instance_type
-    assert len(resources(raw, "AWS::SageMaker::Endpoint")) == 1
+    # SageMaker's default AMI for ml.g5 has NVIDIA driver 470: the image's CUDA 12 torch would find no GPU.
+    assert variant["InferenceAmiVersion"] == config.sagemaker_inference_ami == "al2-ami-sagemaker-inference-gpu-3-1"
+    (endpoint,) = resources(raw, "AWS::SageMaker::Endpoint").values()
+    # An update keeps the instance count autoscaling reached.
+    assert endpoint["Properties"]["RetainAllVariantProperties"] is True
     (target,) = resources(raw, "AWS::ApplicationAutoScaling::ScalableTarget").values()
     assert target["Properties"]["MinCapacity"] == config.min_instances
     assert target["Properties"]["MaxCapacity"] == config.max_instances
