@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LAMBDA_PYTHON = "3.14"
 LAMBDA_PLATFORM = "manylinux2014_x86_64"
 
-# The Lambda runtime ships boto3/botocore; bundling them only adds ~20 MB.
-_PROVIDED_BY_RUNTIME = {"boto3", "botocore"}
+# boto3 and botocore are bundled as a pair, though the runtime has its own: the
+# X-Ray SDK brings botocore along anyway, and a bundled botocore beside the
+# runtime's older boto3 would be a pair nobody tested. Layers come first on the
+# path, so the pair the tests ran with is the one the functions run.
+_PROVIDED_BY_RUNTIME: set[str] = set()
 # Powertools Tracer needs the X-Ray SDK, which the runtime does not have.
 _EXTRA = ["aws-xray-sdk>=2.14"]
 # The API only lists models: registry + base never import torch.
