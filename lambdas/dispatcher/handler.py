@@ -43,7 +43,9 @@ def dispatcher() -> Dispatcher:
             "sagemaker-runtime",
             # One try: SQS redelivery is the retry. A second try of a timed-out
             # invocation would outlast the function's own timeout.
-            config=Config(read_timeout=timeout + 5, connect_timeout=5, retries={"mode": "standard", "max_attempts": 1}),
+            # total_max_attempts: botocore's max_attempts counts retries alone (1 made two calls).
+            config=Config(read_timeout=timeout + 5, connect_timeout=5,
+                          retries={"mode": "standard", "total_max_attempts": 1}),
         )
         _dispatcher = Dispatcher(
             Settings(),

@@ -61,10 +61,12 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
 
     endpoint = Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
     calls: list[dict] = []
+    posts: list[str] = []  # every request's path, answered or not
     sends_original_message = True
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        SageMakerRuntime.posts.append(self.path)
         match = re.fullmatch(r"/endpoints/([^/]+)/invocations", self.path)
         if not match or match.group(1) != ENDPOINT:
             return self._send(503, {"message": "endpoint not in service"}, "ServiceUnavailable")
@@ -411,9 +413,13 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
     ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
     event = sqs_event(settings, 2, receive_count=3)
     capsys.readouterr()
+    SageMakerRuntime.posts.clear()
     response = dispatch(event)
     assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
     assert_untouched(settings, ids)
+    # One call, asked once: SQS redelivery is the retry, and a second try of a
+    # slow call would outlast the function's timeout.
+    assert SageMakerRuntime.posts == ["/endpoints/an-endpoint-that-is-down/invocations"]
     # Seen on the dashboard as handed back, not as outcomes.
     assert counted(capsys, "TasksHandedBack", "TasksSucceeded", "TaskAttemptsFailed") == {
         "TasksHandedBack": 2, "TasksSucceeded": 0, "TaskAttemptsFailed": 0}
