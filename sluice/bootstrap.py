@@ -24,6 +24,11 @@ def ensure_resources(settings: Settings) -> dict[str, str]:
     return urls
 
 
+def bootstraps_on_start() -> bool:
+    """Whether this process creates what is missing as it starts (SLUICE_BOOTSTRAP_ON_START=1)."""
+    return os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() in ("1", "true")
+
+
 def ensure_resources_on_start() -> None:
     """The on-prem containers' first step when SLUICE_BOOTSTRAP_ON_START=1 (set by
     onprem/compose.yaml and onprem/k8s/onprem/config.yaml). LocalStack keeps
@@ -33,7 +38,7 @@ def ensure_resources_on_start() -> None:
     is missing themselves. A failure
     ends the process, and its restart policy tries again. Elsewhere (AWS, where
     the stack owns the resources and the roles may not create them) it does nothing."""
-    if os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() not in ("1", "true"):
+    if not bootstraps_on_start():
         return
     ensure_resources(Settings())
     log.info("queues, tables and bucket are in place")

@@ -5,10 +5,12 @@ prefetched (visibility 0), finishes the batch in inference and exits 0. It
 stops the same way, exiting 1, once the model fails every task of several
 batches in a row (sluice.worker.runner.BROKEN_AFTER), and exiting
 EXIT_QUEUE_MISSING (75) once a queue it receives from has not existed for
-Settings.queue_missing_exit_s (an on-prem LocalStack restarted and lost its queues):
-only a restart, whose bootstrap recreates them (SLUICE_BOOTSTRAP_ON_START),
-brings them back. Other receive errors (throttling, an endpoint that refuses
-connections) are retried for as long as they last.
+Settings.queue_missing_exit_s, where a restart recreates it (SLUICE_BOOTSTRAP_ON_START:
+an on-prem LocalStack restarted and lost its queues). Elsewhere (AWS, where SQS
+also says "does not exist" to a role that may not use the queue) a restart
+cannot help: it says so at ERROR and goes on trying. Other receive errors
+(throttling, an endpoint that refuses connections) are retried for as long as
+they last.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from botocore.exceptions import ClientError
 
 from sluice.adapters.queues import PriorityQueues, Received
+from sluice.bootstrap import bootstraps_on_start
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
 from sluice.settings import Settings, SettingsError
@@ -67,6 +70,8 @@ def queue_missing(exc: BaseException) -> bool:
 class Worker:
     def __init__(self, settings: Settings, models: dict):
         self.settings = settings
+        # Only where a restart recreates a missing queue does a missing queue end the worker.
+        self.restart_recreates_queues = bootstraps_on_start()
         self.queues_missing = False  # run() then returns EXIT_QUEUE_MISSING
         self.queues = PriorityQueues(settings)
         self.policy = WeightedPriorityPolicy(settings.weights())
@@ -107,8 +112,15 @@ class Worker:
                     now = time.monotonic()
                     missing_since = now if missing_since is None else missing_since
                     if now - missing_since >= self.settings.queue_missing_exit_s:
-                        self._queue_gone(priority, now - missing_since, exc)
-                        return
+                        if self.restart_recreates_queues:
+                            self._queue_gone(priority, now - missing_since, exc)
+                            return
+                        log.error("receives from the %s queue have found it missing, or not this role's to use, "
+                                  "for %.0f s (%s): create it (`sluice bootstrap`, or the CDK stack on AWS), grant "
+                                  "this role sqs:ReceiveMessage on it, or correct SLUICE_QUEUE_URL_%s / "
+                                  "SLUICE_QUEUE_PREFIX; still trying", priority.value, now - missing_since, exc,
+                                  priority.value.upper())
+                        missing_since = now  # said once a window, not at every retry
                 log.warning("receive from %s failed (%s); retrying in %.1fs", priority.value, exc, backoff)
                 self.stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -122,13 +134,10 @@ class Worker:
             self.buffer.put(messages)
 
     def _queue_gone(self, priority: Priority, for_s: float, exc: Exception) -> None:
-        # Retrying cannot bring a queue back: a restart can, whose bootstrap
-        # (SLUICE_BOOTSTRAP_ON_START=1 on-prem) recreates what is missing.
+        # Retrying cannot bring a queue back: the restart's bootstrap recreates it.
         log.error("receives from the %s queue have found it missing for %.0f s (%s): exiting %d so that the "
-                  "worker is restarted. A restart with SLUICE_BOOTSTRAP_ON_START=1 (on-prem) recreates the "
-                  "queues; otherwise create them (`sluice bootstrap`, or the CDK stack on AWS) or correct "
-                  "SLUICE_QUEUE_URL_%s / SLUICE_QUEUE_PREFIX", priority.value, for_s, exc, EXIT_QUEUE_MISSING,
-                  priority.value.upper())
+                  "worker is restarted and its bootstrap (SLUICE_BOOTSTRAP_ON_START) recreates the queues",
+                  priority.value, for_s, exc, EXIT_QUEUE_MISSING)
         self.queues_missing = True
         self.stop()
 

@@ -6,6 +6,7 @@ are still retried for as long as they last."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def worker_env(settings, moto_endpoint: str) -> dict[str, str]:
         "SLUICE_BUCKET": settings.bucket,
         "SLUICE_MODELS": "synthetic",
         "SLUICE_QUEUE_MISSING_EXIT_S": str(EXIT_AFTER_S),
+        "SLUICE_BOOTSTRAP_ON_START": "1",  # on-prem: its restart recreates the queues
     }
 
 
@@ -138,15 +140,22 @@ def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(setting
     assert_still_receiving_when(worker, enough, "a third receive")
 
 
+MISSING = ClientError({"Error": {"Code": "AWS.SimpleQueueService.NonExistentQueue", "QueryErrorCode":
+                                 "QueueDoesNotExist", "Message": "The specified queue does not exist."}},
+                      "ReceiveMessage")
+
+
+def always_missing(*_):
+    raise MISSING
+
+
 def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, monkeypatch):
+    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", "1")
     # Missing, missing, found (a bootstrap elsewhere recreated it), ...: no run of
     # "missing" lasts the limit, though together they last far longer.
     worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
-    missing = ClientError({"Error": {"Code": "AWS.SimpleQueueService.NonExistentQueue", "QueryErrorCode":
-                                     "QueueDoesNotExist", "Message": "The specified queue does not exist."}},
-                          "ReceiveMessage")
-    answers = iter(([missing, missing, []] * 100))
+    answers = iter(([MISSING, MISSING, []] * 100))
 
     def receive(*_):
         answer = next(answers)
@@ -164,10 +173,22 @@ def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, 
     worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
 
-    def always_missing(*_):
-        raise missing
-
     monkeypatch.setattr(worker.queues, "receive", always_missing)
     thread = receiving(worker, Priority.high)
     thread.join(30)
     assert not thread.is_alive() and worker.stopping.is_set() and worker.queues_missing
+
+
+def test_where_no_restart_recreates_queues_a_missing_one_is_said_not_exited_on(settings, monkeypatch, caplog):
+    # On AWS the stack owns the queues, and SQS answers "does not exist" to a role
+    # that may not use one too: a restart cannot help, an operator can.
+    monkeypatch.delenv("SLUICE_BOOTSTRAP_ON_START", raising=False)
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1}),
+                    {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    calls, enough = [], threading.Event()
+    monkeypatch.setattr(worker.queues, "receive", counting(always_missing, calls, enough, after=4))
+    with caplog.at_level(logging.ERROR, logger="sluice.worker"):
+        # By the fourth receive three have failed over 0.6 s of backoff, six times the limit.
+        assert_still_receiving_when(worker, enough, "a fourth receive")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert said and all("not this role's to use" in m and "still trying" in m for m in said)
