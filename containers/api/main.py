@@ -10,9 +10,14 @@ from sluice.api.app import create_app
 from sluice.bootstrap import ensure_resources_on_start
 
 
+# What logging takes and uvicorn names otherwise (the workers share the variable).
+_ALIASES = {"warn": "warning", "fatal": "critical"}
+
+
 def log_level() -> str | None:
     """SLUICE_LOG_LEVEL in any case, as uvicorn names it (unset or empty: info); None if it is none of them."""
     level = (os.environ.get("SLUICE_LOG_LEVEL") or "info").strip().lower()
+    level = _ALIASES.get(level, level)
     return level if level in LOG_LEVELS else None
 
 

@@ -38,6 +38,9 @@ log = logging.getLogger("sluice.worker")
 
 # SLUICE_LOG_LEVEL, in any case: the API's uvicorn takes `debug`, logging only `DEBUG`.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Names one side takes and the other does not: compose gives the API and the
+# workers one SLUICE_LOG_LEVEL, so neither may stop on the other's names.
+LOG_LEVEL_ALIASES = {"TRACE": "DEBUG", "WARN": "WARNING", "FATAL": "CRITICAL"}
 
 # Settings.queue_missing_exit_s: how long a receiver goes on finding its queue
 # missing, with no receive that worked in between, before the worker exits with
@@ -53,6 +56,7 @@ def log_level(environ=os.environ) -> str:
     in one line naming the variable and the values allowed, for anything else."""
     raw = environ.get("SLUICE_LOG_LEVEL") or "INFO"
     level = raw.strip().upper()
+    level = LOG_LEVEL_ALIASES.get(level, level)
     if level not in LOG_LEVELS:
         raise SettingsError(f"SLUICE_LOG_LEVEL={raw!r}: should be one of {', '.join(LOG_LEVELS)} (any case)")
     return level

@@ -89,11 +89,13 @@ def test_without_the_setting_an_entrypoint_creates_nothing(tmp_path):
 
 def test_log_level_takes_any_case_and_names_the_variable_and_values_when_refused():
     for raw, level in [("debug", "DEBUG"), ("Info", "INFO"), (" warning ", "WARNING"), ("ERROR", "ERROR"),
-                       ("critical", "CRITICAL"), ("", "INFO")]:
+                       ("critical", "CRITICAL"), ("", "INFO"),
+                       # compose gives the API and the workers one value: uvicorn's trace, logging's warn
+                       ("trace", "DEBUG"), ("WARN", "WARNING"), ("fatal", "CRITICAL")]:
         assert log_level({"SLUICE_LOG_LEVEL": raw}) == level, raw
         assert isinstance(logging.getLevelName(level), int)
     assert log_level({}) == "INFO"
-    for raw in ("verbose", "trace", "10", "warn ing"):
+    for raw in ("verbose", "10", "warn ing"):
         with pytest.raises(SettingsError) as refused:
             log_level({"SLUICE_LOG_LEVEL": raw})
         message = str(refused.value)
@@ -141,3 +143,19 @@ def test_the_sagemaker_server_takes_a_lowercase_log_level(tmp_path):
         assert serve.popen.wait(30) == 0
     finally:
         procs.stop_all()
+
+
+def test_every_level_one_side_takes_the_other_takes_too():
+    """Compose hands the API and the workers one SLUICE_LOG_LEVEL: none may stop one side only."""
+    import importlib.util
+
+    from uvicorn.config import LOG_LEVELS as UVICORN_LEVELS
+
+    spec = importlib.util.spec_from_file_location("api_main", ROOT / "containers" / "api" / "main.py")
+    api_main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_main)
+    for raw in [*UVICORN_LEVELS, *LOG_LEVELS, "warn", "fatal"]:
+        assert log_level({"SLUICE_LOG_LEVEL": raw}), raw  # the worker's and serve's
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLUICE_LOG_LEVEL", raw)
+            assert api_main.log_level(), raw  # the API's
