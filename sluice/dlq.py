@@ -118,12 +118,6 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
     return found
 
 
-def dead_count(queues: PriorityQueues, priorities: list[Priority]) -> int:
-    """Messages in these DLQs as SQS approximates them, those another reader
-    holds hidden (a worker's settling round) included."""
-    return sum(dead_counts(queues, priorities))
-
-
 def dead_counts(queues: PriorityQueues, priorities: list[Priority]) -> tuple[int, int]:
     """(visible, hidden): messages in these DLQs as SQS approximates them;
     hidden ones are held by another reader (a worker's settling round)."""

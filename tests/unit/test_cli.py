@@ -100,8 +100,12 @@ def test_submit_wait_exits_0_only_for_a_result(api, final, code, monkeypatch, ca
 def embedded_state(tmp_path, monkeypatch):
     """Writes a `make run` state file naming `pid`; no endpoint set, the operator's own credentials.
     What applying the state sets is removed after the test."""
-    for name in {k for k in os.environ if k.startswith("AWS_")} | {"AWS_ENDPOINT_URL", "AWS_REGION"}:
-        monkeypatch.delenv(name, raising=False)
+    # setenv first: monkeypatch restores only what it changed, and applying the
+    # state sets these whether or not they were set before.
+    for name in {k for k in os.environ if k.startswith("AWS_")} | {"AWS_ENDPOINT_URL", "AWS_REGION", "AWS_PROFILE",
+                                                                   "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN"}:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAOPERATOR")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "operator")
     path = tmp_path / "embedded.json"
