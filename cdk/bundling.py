@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +29,9 @@ LAMBDA_PLATFORM = "manylinux2014_x86_64"
 
 # boto3 and botocore are bundled as a pair, though the runtime has its own: the
 # X-Ray SDK brings botocore along anyway, and a bundled botocore beside the
-# runtime's older boto3 would be a pair nobody tested. Layers come first on the
-# path, so the pair the tests ran with is the one the functions run.
-_PROVIDED_BY_RUNTIME: set[str] = set()
+# runtime's older boto3 would be a pair nobody tested. They are pinned to this
+# environment's, the pair the tests ran with; layers come first on the path.
+_SDK = ("boto3", "botocore")
 # Powertools Tracer needs the X-Ray SDK, which the runtime does not have.
 _EXTRA = ["aws-xray-sdk>=2.14"]
 # The API only lists models: registry + base never import torch.
@@ -42,8 +43,8 @@ def requirements(root: Path = ROOT) -> list[str]:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     wanted = list(project["dependencies"]) + list(project["optional-dependencies"]["api"]) + _EXTRA
     # uvicorn is the local server; in Lambda, Mangum is.
-    skip = _PROVIDED_BY_RUNTIME | {"uvicorn"}
-    return sorted(r for r in wanted if _name(r) not in skip)
+    skip = {"uvicorn", *_SDK}
+    return sorted([r for r in wanted if _name(r) not in skip] + [f"{name}=={version(name)}" for name in _SDK])
 
 
 def _name(requirement: str) -> str:

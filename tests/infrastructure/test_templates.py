@@ -160,6 +160,10 @@ def test_lambda_bundle_has_no_torch():
     # The AWS SDK as one tested pair: the X-Ray SDK brings botocore, so boto3 comes too,
     # rather than the runtime's older boto3 beside a newer bundled botocore.
     assert {"boto3", "botocore", "s3transfer"} <= packages
+    from importlib.metadata import version
+
+    for sdk in ("boto3", "botocore"):  # the versions the tests ran with
+        assert (layer / "python" / f"{sdk}-{version(sdk)}.dist-info").is_dir(), sdk
     assert (code / "lambdas" / "api" / "handler.py").exists()
     assert (code / "lambdas" / "dispatcher" / "handler.py").exists()
     assert sorted(p.name for p in (code / "models").iterdir()) == ["__init__.py", "base.py", "registry.py"]
