@@ -50,7 +50,9 @@ def payload_ttl_days(prefix: str, result_ttl_days: int) -> int:
     long as its finished task's record. Inputs are uploaded at submit, so they
     are kept while their task may still run (its message's retention) and no
     shorter than results: with inputs expiring after result_ttl_days, a task
-    that waited longer in its queue would fail as `input_unavailable`."""
+    that waited longer in its queue would fail as `input_unavailable`. (A task
+    redriven from a dead-letter queue gets a new message, not new inputs: past
+    these days it fails so.)"""
     if prefix == INPUTS_PREFIX:
         return max(result_ttl_days, -(-MESSAGE_RETENTION_S // 86400))
     return result_ttl_days
