@@ -111,7 +111,11 @@ def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
 def env_choice(name: str, allowed: tuple[str, ...], default: str) -> str:
     """The variable's value, one of `allowed`; unset or empty: `default`. A typo
     must not quietly run another emulator than the one asked for."""
-    value = os.environ.get(name) or default
+    return one_of(name, os.environ.get(name) or default, allowed)
+
+
+def one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    """`value`, refused in one line naming `name` unless it is one of `allowed`."""
     if value not in allowed:
         raise RefusedSetting(f"{name}={value!r}: should be one of {', '.join(allowed)}")
     return value
@@ -271,11 +275,9 @@ class Stack:
     # Set by kill(): stop_process no longer gives a process its grace.
     killing: bool = False
 
-    def __post_init__(self) -> None:
-        if self.sqs not in SQS_EMULATORS:
-            raise RefusedSetting(f"SLUICE_EMBEDDED_SQS={self.sqs!r}: should be one of {', '.join(SQS_EMULATORS)}")
-        if self.ddb not in DDB_EMULATORS:
-            raise RefusedSetting(f"SLUICE_EMBEDDED_DDB={self.ddb!r}: should be one of {', '.join(DDB_EMULATORS)}")
+    def __post_init__(self) -> None:  # values passed in, not read from the environment, are checked too
+        one_of("SLUICE_EMBEDDED_SQS", self.sqs, SQS_EMULATORS)
+        one_of("SLUICE_EMBEDDED_DDB", self.ddb, DDB_EMULATORS)
 
     def check_stop(self) -> None:
         if self.stop_asked is not None and self.stop_asked():
@@ -522,8 +524,10 @@ def supervise(stack: Stack, should_stop: Callable[[], bool], restart_limit: int 
 
 def served_models(stack: Stack) -> list[str]:
     """SLUICE_MODELS as the workers read it (sluice.settings; the same default)."""
-    raw = stack.env().get("SLUICE_MODELS") or "minilm-embed,synthetic"
-    return [m.strip() for m in raw.split(",") if m.strip()] or ["minilm-embed"]
+    from sluice.settings import Settings, model_names_of
+
+    raw = stack.env().get("SLUICE_MODELS") or Settings.model_fields["models"].default
+    return model_names_of(raw) or ["minilm-embed"]
 
 
 def print_banner(stack: Stack, key: str) -> None:

@@ -136,7 +136,7 @@ class Settings(BaseSettings):
     def _models_in_the_catalogue(cls, value: str) -> str:
         # An unknown name would leave the API serving none of them (every submit
         # 422) and fail the worker as it builds its models.
-        names = [m.strip() for m in value.split(",") if m.strip()]
+        names = model_names_of(value)
         known = ", ".join(CATALOGUE)
         if not names:
             raise PydanticCustomError("no_model", "names no model; the catalogue has {known}", {"known": known})
@@ -177,7 +177,12 @@ class Settings(BaseSettings):
         return {p: max(1, int(parsed.get(p.value, 1))) for p in Priority}
 
     def model_names(self) -> list[str]:
-        return [m.strip() for m in self.models.split(",") if m.strip()]
+        return model_names_of(self.models)
+
+
+def model_names_of(models: str) -> list[str]:
+    """The names in a SLUICE_MODELS value (comma-separated, blanks ignored)."""
+    return [m.strip() for m in models.split(",") if m.strip()]
 
 
 def _shown(value: Any) -> str:
