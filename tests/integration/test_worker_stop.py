@@ -4,6 +4,7 @@ the pod's grace period."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -50,6 +51,21 @@ def running(worker: Worker, exit_codes: list[int] | None = None) -> threading.Th
     return thread
 
 
+@contextlib.contextmanager
+def held_in_inference(worker: Worker, model: GatedModel):
+    """Runs the worker until its first batch is held in `model`; on leaving,
+    releases the model, stops the worker and waits for it to end."""
+    thread = running(worker)
+    try:
+        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+        yield
+    finally:
+        model.go.set()
+        worker.stop()  # a no-op if the block stopped it
+        thread.join(20)
+    assert not thread.is_alive()
+
+
 def visible_again(settings, wanted: set[str], what: str) -> set[str]:
     """Receive (and hold) the tasks visible in the normal queue until `wanted` are
     among them, within 10 s, far less than their 30 s visibility timeout."""
@@ -64,16 +80,10 @@ def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     ids = submit(settings, 8)
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
-    thread = running(worker)
-    try:
-        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+    with held_in_inference(worker, model):
         # A second batch is prepared and waits behind the one in inference.
         wait_for(worker.pipeline._prepared.full, 15, "a prepared batch waiting for the model")
         worker.stop()
-    finally:
-        model.go.set()
-        thread.join(20)
-    assert not thread.is_alive()
 
     records = TaskStore(settings).get_many(ids)
     done = [t for t in ids if records[t].status == TaskStatus.succeeded]
@@ -91,9 +101,7 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
     ids = submit(settings, 8)
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
-    thread = running(worker)
-    try:
-        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+    with held_in_inference(worker, model):
         # 8 tasks: 2 in inference, 2 prepared, 2 more prepared and waiting to be handed on, 2 in the buffer.
         wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
                  "batches prepared behind the model and two tasks left in the buffer")
@@ -101,10 +109,6 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
         worker.stop()
         visible_again(settings, buffered, "the buffered tasks visible again while the model is held")
         assert model.inferring.is_set() and not model.go.is_set()
-    finally:
-        model.go.set()
-        thread.join(20)
-    assert not thread.is_alive()
 
 
 def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_comes_back(settings):
@@ -116,18 +120,11 @@ def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_co
     worker = Worker(settings, {"synthetic": model})
     exited = []
     worker.exit = exited.append  # stands in for os._exit
-    thread = running(worker)
-    try:
-        assert model.inferring.wait(15), "no batch reached the model within 15 s"
+    with held_in_inference(worker, model):
         wait_for(lambda: exited, 15, "the worker giving up on the stuck batch")
         assert exited == [70]
         # Back now, not after their visibility timeout (30 s): the one in inference too.
         assert visible_again(settings, set(ids), "every task visible again") == set(ids)
-    finally:
-        model.go.set()
-        worker.stop()
-        thread.join(20)
-    assert not thread.is_alive()
 
 
 class BrokenDevice(SyntheticModel):
