@@ -1,6 +1,6 @@
 """Does another busy Python thread slow MiniLM's forward pass?
 
-    .venv/bin/python -m bench.gil_contention [--batch 32] [--device cpu|cuda] [--seconds 4]
+    .venv/bin/python -m bench.gil_contention [--batch 32] [--device cpu|cuda] [--threads 1] [--seconds 4]
 
 A worker runs inference on one thread while its other threads receive
 messages, encode results and call AWS, all under one interpreter lock. torch
@@ -9,8 +9,10 @@ forward pass of many short operations (MiniLM on a GPU launches about 150
 kernels) waits for the lock once per operation while another thread runs
 Python. This times predict_batch alone, then beside one thread of pure-Python
 work (what botocore's serializing and signing is), at the interpreter's
-default switch interval (5 ms) and at 0.5 ms. Section 6 of docs/benchmarks.md
-says what it showed and why the worker's setting was left as it is.
+default switch interval (5 ms) and at 0.5 ms. `--threads 1` keeps the busy
+thread off torch's cores on a small machine. bench/gpu.py runs it on CUDA at
+batch 1024. Section 6 of docs/benchmarks.md says what it showed and why the
+worker's setting was left as it is.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> dict:
     out["slowdown"] = round(out["beside_busy_thread_ms"] / out["alone_ms"], 2)
     out["slowdown_0_5ms_switch"] = round(out["beside_busy_thread_0_5ms_switch_ms"] / out["alone_ms"], 2)
     save("gil_contention", out)
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out))  # one line: bench/gpu.py reads it
     return out
 
 

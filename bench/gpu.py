@@ -28,8 +28,12 @@ import sys
 import threading
 import time
 
-from bench.common import default_ddb, flag, log, raise_if_flagged, save
+from bench.common import ROOT, default_ddb, flag, log, raise_if_flagged, save
 from bench.worker import drain, raw_many
+
+# The worker drains at another switch interval go through this folder's
+# sitecustomize (bench-only; the worker has no setting for it).
+SWITCH_INTERVAL_SITE = str(ROOT / "bench" / "switch_interval")
 
 # (substring of the device name, dense bf16 tensor TFLOP/s, memory TB/s), from
 # the vendors' data sheets. The first match wins, so the more specific names
@@ -158,6 +162,16 @@ class Sampler:
         return round(sum(s) / len(s), 1) if s else None
 
 
+def gil_contention(batch: int, threads: int, device: str, seconds: float, timeout_s: float) -> dict:
+    """bench/gil_contention.py in its own process; its last line is its result."""
+    out = subprocess.run([sys.executable, "-m", "bench.gil_contention", "--batch", str(batch), "--threads",
+                          str(threads), "--device", device, "--seconds", str(seconds)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode:
+        raise RuntimeError(f"bench.gil_contention exited with {out.returncode}: {out.stderr.strip()[-1000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 class Budget:
     """The benchmark's wall-clock budget: phases take their timeouts from it."""
 
@@ -192,7 +206,8 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
         device, name, threads = "cpu", DRY_RUN_SPEC[0], 2
         spec = DRY_RUN_SPEC
         batches, big, raw_seconds = (8, 32), 32, 1.0
-        drains = [("drain_big", 300, 1, 1), ("drain_big_2_workers", 300, 2, 1), ("drain_big_8_per_task", 40, 1, 8)]
+        drains = [("drain_big", 300, 1, 1), ("drain_big_2_workers", 300, 2, 1), ("drain_big_8_per_task", 40, 1, 8),
+                  ("drain_big_8_per_task_switch_0_5ms", 40, 1, 8)]
         sampler = lambda: Sampler(read=lambda: 50.0, method="dry-run stub (no NVML)")  # noqa: E731
         extra_env = {"SLUICE_DEVICE": "cpu"}
     else:
@@ -201,7 +216,7 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
         batches, big, raw_seconds = (64, 256, 1024), 1024, 5.0
         n = 2000 if quick else 6000
         drains = [("drain_1024", n, 1, 1), ("drain_1024_4_workers", n, 4, 1),
-                  ("drain_1024_64_per_task", n // 8, 1, 64)]
+                  ("drain_1024_64_per_task", n // 8, 1, 64), ("drain_1024_64_per_task_switch_0_5ms", n // 8, 1, 64)]
         sampler = Sampler
         extra_env = {"SLUICE_DEVICE": "cuda"}
     peak, bandwidth = (spec[1], spec[2]) if spec else (None, None)
@@ -254,6 +269,21 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
     if per_sentence and per_sentence["roofline_s"]:
         per_sentence["roofline_s"] /= ref["sentences"]
 
+    # ------------------------------------------------- the interpreter's lock
+    # The forward at the drains' batch size alone, then beside a thread of
+    # pure-Python work (the worker's other threads), at 5 ms and 0.5 ms switch
+    # intervals (bench/gil_contention.py; docs/benchmarks.md, section 6).
+    gil_timeout = 3 * (raw_seconds / 2 + 5) + 60
+    if budget.left() < gil_timeout + 200:
+        flag(results, f"gil_contention: skipped, only {budget.left():.0f}s of the time budget left")
+    else:
+        try:
+            results["gil_contention"] = gil_contention(big, threads, device, raw_seconds / 2, gil_timeout)
+            printed("the forward beside a busy Python thread", results["gil_contention"])
+        except Exception as exc:
+            flag(results, f"gil_contention: {type(exc).__name__}: {str(exc)[:500]}")
+    save(name_out, results)
+
     # ------------------------------------------------------------------- drains
     # One-sentence tasks: the per-task pipeline (a record, a message, an outcome
     # write each) against the GPU; the same with several workers sharing it;
@@ -269,13 +299,18 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
             flag(results, f"{key}: skipped, only {budget.left():.0f}s of the time budget left")
             save(name_out, results)
             continue
+        env = dict(extra_env)
+        if key.endswith("_switch_0_5ms"):
+            env["SLUICE_BENCH_SWITCH_INTERVAL_S"] = "0.0005"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (SWITCH_INTERVAL_SITE, os.environ.get("PYTHONPATH")) if p)
         log(f"gpu: {key}: {n_tasks} tasks x {per_task} sentence(s), batch {big}, {workers} worker(s); "
             f"worker start within {start_timeout:.0f}s, drain within {timeout:.0f}s")
         with sampler() as s:
             try:
                 d = drain(n_tasks, big, threads, timeout_s=timeout, workers=workers,
-                          inputs_per_task=per_task, extra_env=extra_env, start_timeout_s=start_timeout,
-                          stop_timeout_s=25, keep_logs_always=True)
+                          inputs_per_task=per_task, extra_env=env, start_timeout_s=start_timeout,
+                          stop_timeout_s=25, keep_logs_always=True,
+                          profile_as=key if per_task > 1 else None, profile_s=6)
             except Exception as exc:
                 d = {"error": f"{type(exc).__name__}: {str(exc)[:500]}", "problems": [str(exc)[:500]]}
         for problem in d.get("problems", []):
@@ -290,6 +325,9 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
             if ref:
                 d["efficiency_vs_raw"] = round(d["inputs_per_s"] / ref["per_s"], 3)
                 d["efficiency_vs_raw_batch"] = big
+                full = (d.get("inference") or {}).get("full_batch_p50_ms")
+                if full:  # the worker's forward of a full batch against the raw loop's
+                    d["inference_vs_raw_batch_time"] = round(full / (big * 1000 / ref["per_s"]), 2)
             if per_sentence:
                 # The raw loop's own sentences at the same batch size: FLOPs per sentence estimated from it.
                 d["tflops_estimated"] = round(d["inputs_per_s"] * per_sentence["flops"] / 1e12, 3)
@@ -310,6 +348,8 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
         log(f"gpu:   {key:26} {r.get('inputs_per_s', r.get('per_s'))} sentences/s, util {r.get('gpu_util_pct')}%, "
             f"peak {r.get('fraction_of_peak_bf16')}, roofline {r.get('fraction_of_roofline')}"
             + (f", vs raw {r.get('efficiency_vs_raw')}" if "efficiency_vs_raw" in r else "")
+            + (f", inference {r['inference_vs_raw_batch_time']} x the raw batch's time"
+               if r.get("inference_vs_raw_batch_time") else "")
             + (f", mean padded tokens {r.get('mean_padded_tokens')}" if "mean_padded_tokens" in r else ""))
     log(f"gpu: {budget.total_s - budget.left():.0f}s of the {budget.total_s:.0f}s budget used")
     save(name_out, results)

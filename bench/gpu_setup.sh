@@ -30,7 +30,8 @@
 #   onprem/dynalite/node_modules  -> /root/kit/node/node_modules, whose .bin/dynalite
 #                                 runs /root/kit/node/bin/node
 #   /root/kit/env.sh              PYTHONPATH=/root/kit/site:/root/kit/model:<repo root>
-#                                 and PATH with /root/kit/node/bin; it is printed too
+#                                 and PATH with /root/kit/node/bin and /root/kit/site/bin
+#                                 (py-spy); it is printed too
 #
 #   bash bench/gpu_setup.sh [--check] [--no-node]
 #     --check    also require every part (node unless --no-node) and smoke-test them
@@ -129,12 +130,12 @@ ENV_PYTHONPATH=$KIT/site:$KIT/model:$ROOT
 cat >"$KIT/env.sh" <<EOF
 # Made by bench/gpu_setup.sh; source it before python3 -m bench.
 export PYTHONPATH=$ENV_PYTHONPATH\${PYTHONPATH:+:\$PYTHONPATH}
-export PATH=$KIT/node/bin:\$PATH
+export PATH=$KIT/node/bin:$KIT/site/bin:\$PATH
 export PYTHONUNBUFFERED=1
 # Results where the device returns files from, when there is such a place.
 [ -z "\${OUT:-}" ] || export SLUICE_BENCH_RESULTS=\${SLUICE_BENCH_RESULTS:-\$OUT}
 EOF
-echo "export PYTHONPATH=$ENV_PYTHONPATH\${PYTHONPATH:+:\$PYTHONPATH} PATH=$KIT/node/bin:\$PATH  # or: . $KIT/env.sh"
+echo "export PYTHONPATH=$ENV_PYTHONPATH\${PYTHONPATH:+:\$PYTHONPATH} PATH=$KIT/node/bin:$KIT/site/bin:\$PATH  # or: . $KIT/env.sh"
 
 # -------------------------------------------------------------------- check
 if [ $CHECK = 1 ]; then

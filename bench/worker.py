@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
+from pathlib import Path
 
-from bench.common import (ROOT, cpu_s, default_ddb, flag, keep_logs, log, raise_if_flagged, save, sentence,
+from bench.common import (RESULTS, ROOT, cpu_s, default_ddb, flag, keep_logs, log, raise_if_flagged, save, sentence,
                           settings, stack)
 
 
@@ -120,13 +124,70 @@ def first_finished(sample: list[str], timeout_s: float, procs: dict | None = Non
     raise TimeoutError(f"no task finished within {timeout_s:.0f}s of the workers' start")
 
 
+def inference_ms(log_dir: Path, max_batch: int) -> dict | None:
+    """The workers' own InferenceLatency metric, read back from the EMF lines
+    of their logs: milliseconds a batch (p50, all batches and the full ones),
+    to set against the raw loop's time for the same batch. None without lines."""
+    batches: list[tuple[float, float]] = []  # (inputs, ms)
+    for path in sorted(Path(log_dir).glob("worker-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("{") or '"InferenceLatency"' not in line:
+                continue
+            try:
+                emf = json.loads(line)
+            except ValueError:
+                continue
+            sizes, ms = emf.get("BatchSize"), emf.get("InferenceLatency")
+            sizes, ms = (sizes if isinstance(sizes, list) else [sizes]), (ms if isinstance(ms, list) else [ms])
+            batches += [(b, m) for b, m in zip(sizes, ms) if b and m is not None]
+    if not batches:
+        return None
+    full = [m for b, m in batches if b >= max_batch]
+    return {"batches": len(batches), "p50_ms": round(statistics.median(m for _, m in batches), 1),
+            "full_batches": len(full), "full_batch_p50_ms": round(statistics.median(full), 1) if full else None,
+            "p50_ms_per_input": round(statistics.median(m / b for b, m in batches), 4)}
+
+
+def py_spy() -> str | None:
+    """py-spy where this environment has it: beside the interpreter (the
+    venv's), else on PATH (the GPU kit puts it there)."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.is_file() else shutil.which("py-spy")
+
+
+def profile_summary(path: Path, top: int = 10) -> dict:
+    """Of a py-spy raw profile taken with threads (-t): each thread's share of
+    the samples, and the busiest thread's hottest places, each named by its
+    innermost Sluice or model frame and the frame it was in."""
+    per_thread: Counter = Counter()
+    places: dict[str, Counter] = defaultdict(Counter)
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]  # "thread (0x7f..): MainThread"
+        ours = [f for f in frames[1:] if "sluice/" in f or "models/" in f]
+        per_thread[thread] += int(count)
+        places[thread][f"{ours[-1] if ours else frames[-1]} <- {frames[-1]}"] += int(count)
+    total = sum(per_thread.values()) or 1
+    busiest = per_thread.most_common(1)[0][0] if per_thread else None
+    return {"samples": total, "threads": {t: round(c / total, 3) for t, c in per_thread.most_common(12)},
+            "busiest_thread": busiest,
+            "busiest_places": [(p, round(c / total, 3)) for p, c in places[busiest].most_common(top)] if busiest else []}
+
+
 def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, extra_env: dict | None = None,
           sqs: str = "localstack", model: str = "minilm-embed", inputs_per_task: int = 1,
-          start_timeout_s: float = 120, stop_timeout_s: float | None = None, keep_logs_always: bool = False) -> dict:
+          start_timeout_s: float = 120, stop_timeout_s: float | None = None, keep_logs_always: bool = False,
+          profile_as: str | None = None, profile_s: float = 8) -> dict:
     """Fill the queue with n tasks, start the workers, time their drain. The
     result's "problems" lists what makes it not a clean measurement (a drain
     cut off, a worker that exited, tasks failed or never finished); the
-    stack's logs are then kept in the results folder (drain-logs.txt)."""
+    stack's logs are then kept in the results folder (drain-logs.txt).
+    `profile_as`: py-spy records worker-0 for `profile_s` from the first
+    finished task into drain-profile-<profile_as>.txt there, where py-spy is
+    installed (its summary is the result's "profile")."""
     from sluice.adapters.task_store import TaskStore
 
     env = {"SLUICE_MODELS": model, "SLUICE_MAX_BATCH_SIZE": str(batch),
@@ -156,8 +217,11 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
         else:
             pids = {name: proc.pid for name, proc in s.procs.items()}
             cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
+            spy = start_profile(profile_as, pids.get("worker-0"), profile_s, out) if profile_as else None
             waited = wait_drained(timeout_s, procs, priorities=["normal"])  # fill()'s priority
             cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
+            if spy:
+                finish_profile(spy, profile_s, out)
             out["end"], out["waited_s"] = waited["end"], waited["waited_s"]
             if waited["end"] == "timeout":
                 problems.append(f"CUT OFF: the drain was still running after {timeout_s:.0f}s; "
@@ -177,6 +241,8 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
             problems.append(f"{out['not_finished']} of {n} tasks never finished")
         if problems or keep_logs_always:
             keep_logs(s.log_dir, "drain-logs.txt", label + (": " + "; ".join(problems) if problems else ""))
+    # After the stop: a worker's last metrics are flushed as it stops.
+    out["inference"] = inference_ms(s.log_dir, batch)
     out["problems"] = problems
     if not ok:
         out["tasks_per_s"] = out["inputs_per_s"] = None
@@ -193,6 +259,34 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
         "mean_batch": round(sum(sizes) / len(sizes), 1),
         "cpu_ms_per_task": {name: round(v * 1000 / max(1, len(ok) - done_before), 2) for name, v in cpu.items()}})
     return out
+
+
+def start_profile(name: str, pid: int | None, seconds: float, out: dict) -> tuple | None:
+    spy = py_spy()
+    if not spy or not pid:
+        out["profile"] = {"error": "no py-spy here" if not spy else "no worker-0"}
+        return None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"drain-profile-{name}.txt"
+    path.unlink(missing_ok=True)
+    # --nonblocking: the worker is never paused, so the drain's timing stands.
+    proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "100",
+                             "-f", "raw", "-t", "--nonblocking", "-o", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return proc, path
+
+
+def finish_profile(spy: tuple, seconds: float, out: dict) -> None:
+    proc, path = spy
+    try:
+        _, err = proc.communicate(timeout=seconds + 20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if path.is_file() and path.stat().st_size:
+        out["profile"] = {"file": path.name, **profile_summary(path)}
+    else:
+        out["profile"] = {"error": f"py-spy exited {proc.returncode}: {err.decode(errors='replace').strip()[-300:]}"}
 
 
 def raw(batch: int, threads: int, seconds: float = 6, dtype: str = "bf16", device: str = "cpu",

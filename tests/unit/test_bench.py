@@ -6,6 +6,9 @@ benchmark had never run). `make bench` itself stays out of `make test`."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import bench.common  # noqa: E402
 from bench import gpu  # noqa: E402
-from bench.worker import raw  # noqa: E402
+from bench.worker import inference_ms, profile_summary, raw  # noqa: E402
 
 
 def test_flops_per_sentence_matches_the_models_own_encoder_weights():
@@ -236,19 +239,25 @@ def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path,
                         "tokens_real": 140 * b, "padded_length_batches": {"15": 10}})
         return out
 
+    drain_envs = {}
+
     def fake_drain(n, batch, threads, timeout_s, workers, inputs_per_task, extra_env, start_timeout_s,
-                   stop_timeout_s, keep_logs_always):
+                   stop_timeout_s, keep_logs_always, profile_as, profile_s):
         assert timeout_s + start_timeout_s < 400 and keep_logs_always
+        drain_envs[(inputs_per_task, profile_as)] = extra_env
         t0 = time.time()
         time.sleep(0.6)
         if workers == 2:
             return {"tasks": n, "succeeded": 0, "tasks_per_s": None, "inputs_per_s": None,
                     "problems": ["no task finished: worker exited during the drain: worker-1 (exit code -9)"]}
         return {"tasks": n, "succeeded": n, "inputs_per_s": 500.0, "first_started_ms": t0 * 1000,
-                "last_finished_ms": time.time() * 1000, "problems": []}
+                "last_finished_ms": time.time() * 1000, "problems": [],
+                "inference": {"full_batch_p50_ms": 64.0}}  # a raw batch of 32 at 1000/s: 32 ms
 
     monkeypatch.setattr(gpu, "raw_many", fake_raw)
     monkeypatch.setattr(gpu, "drain", fake_drain)
+    monkeypatch.setattr(gpu, "gil_contention", lambda batch, threads, device, seconds, timeout_s: {
+        "batch": batch, "device": device, "alone_ms": 10.0, "beside_busy_thread_ms": 40.0, "slowdown": 4.0})
     with pytest.raises(bench.common.BenchProblems, match="worker-1"):
         gpu.main(dry_run=True)
     final = json.loads((tmp_path / "gpu-dry-run.json").read_text())
@@ -264,6 +273,14 @@ def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path,
     assert r["fraction_of_peak_bf16"] and r["fraction_of_roofline"]
     d = final["drain_big"]
     assert d["efficiency_vs_raw"] == 0.5 and d["fraction_of_peak_bf16"] and d["fraction_of_roofline"]
+    assert d["inference_vs_raw_batch_time"] == 2.0
+    assert final["gil_contention"]["slowdown"] == 4.0 and final["gil_contention"]["batch"] == 32
+    # The many-input drains are profiled; only the second runs its workers at a 0.5 ms switch interval.
+    plain = drain_envs[(8, "drain_big_8_per_task")]
+    switched = drain_envs[(8, "drain_big_8_per_task_switch_0_5ms")]
+    assert "SLUICE_BENCH_SWITCH_INTERVAL_S" not in plain and drain_envs[(1, None)] == plain
+    assert switched["SLUICE_BENCH_SWITCH_INTERVAL_S"] == "0.0005"
+    assert switched["PYTHONPATH"].split(os.pathsep)[0] == gpu.SWITCH_INTERVAL_SITE
     assert any("worker-1" in p for p in final["problems"])
     out = capsys.readouterr().out
     assert "efficiency_vs_raw" in out and "fraction_of_roofline" in out and "mean_padded_tokens" in out
@@ -333,3 +350,45 @@ def test_e2e_reports_a_failed_peer_as_failed_and_flags_incomplete_runs(tmp_path,
     problems = " ".join(saved["problems"])
     assert "Ray Serve FAILED" in problems and "Celery + Redis" in problems and "Sluice at 8 clients" in problems
     assert "FAILED, not measured" in capsys.readouterr().out
+
+
+def test_inference_ms_reads_the_workers_emf_lines(tmp_path):
+    """A drain's own inference time a batch, from the workers' InferenceLatency
+    metric: EMF lines with one value or several, other lines ignored."""
+    def emf(sizes, ms):
+        return json.dumps({"_aws": {"CloudWatchMetrics": []}, "service": "worker", "BatchSize": sizes,
+                           "InferenceLatency": ms})
+    (tmp_path / "worker-0.log").write_text("\n".join([
+        "worker ready", emf([32.0, 10.0], [100.0, 40.0]), '{"TasksSucceeded": [1.0]}', "{not json",
+        emf(32.0, 120.0)]) + "\n")
+    (tmp_path / "worker-1.log").write_text(emf([32.0], [300.0]) + "\n")
+    (tmp_path / "sqs.log").write_text(emf([1.0], [9999.0]) + "\n")  # not a worker's
+    got = inference_ms(tmp_path, max_batch=32)
+    assert got == {"batches": 4, "p50_ms": 110.0, "full_batches": 3, "full_batch_p50_ms": 120.0,
+                   "p50_ms_per_input": 3.875}  # of 3.125, 4.0, 3.75 and 9.375 ms an input
+    assert inference_ms(tmp_path / "none", 32) is None
+
+
+def test_profile_summary_shares_samples_by_thread_and_place(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text(
+        "thread (0x1): MainThread;run (sluice/worker/runner.py:10);_layer (models/minilm.py:142) 6\n"
+        "thread (0x1): MainThread;run (sluice/worker/runner.py:10);linear (torch/nn/functional.py:9) 2\n"
+        "thread (0x2): sluice-finish;write (sluice/lifecycle.py:5);send (http/client.py:1) 2\n")
+    got = profile_summary(path)
+    assert got["samples"] == 10 and got["threads"] == {"MainThread": 0.8, "sluice-finish": 0.2}
+    assert got["busiest_thread"] == "MainThread"
+    assert got["busiest_places"] == [
+        ("_layer (models/minilm.py:142) <- _layer (models/minilm.py:142)", 0.6),
+        ("run (sluice/worker/runner.py:10) <- linear (torch/nn/functional.py:9)", 0.2)]
+
+
+def test_switch_interval_site_sets_a_process_switch_interval_only_when_asked():
+    """bench/gpu.py's drain at a 0.5 ms switch interval reaches the worker
+    through this folder's sitecustomize, on PYTHONPATH."""
+    ask = [sys.executable, "-c", "import sys; print(sys.getswitchinterval())"]
+    env = {**os.environ, "PYTHONPATH": gpu.SWITCH_INTERVAL_SITE}
+    env.pop("SLUICE_BENCH_SWITCH_INTERVAL_S", None)
+    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.005
+    env["SLUICE_BENCH_SWITCH_INTERVAL_S"] = "0.0005"
+    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.0005
