@@ -341,6 +341,11 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
     results["efficiency"] = ratio(results["drain_32"]["tasks_per_s"], results["raw_32"]["per_s"])
     log(f"worker: efficiency {results['efficiency']} "
         f"({results['drain_32']['tasks_per_s']} tasks/s vs raw {results['raw_32']['per_s']}/s)")
+    # The model's own time inside the drain against the raw loop's for the same batch.
+    full = (results["drain_32"].get("inference") or {}).get("full_batch_p50_ms")
+    results["inference_vs_raw_batch_time"] = ratio(full, 32 * 1000 / results["raw_32"]["per_s"], 2)
+    log(f"worker: a full batch's inference in the drain took {full} ms p50, "
+        f"{results['inference_vs_raw_batch_time']} x the raw loop's")
 
     # The same drain with a model that costs nothing: what the pipeline alone
     # (queues, table, the worker's own Python) allows on this machine.
