@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -38,6 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("SLUICE_STATE_DIR", ROOT / ".sluice"))
 STATE_FILE = STATE_DIR / "embedded.json"
+# Held (flock) by the launcher using STATE_DIR while it runs: its logs, its
+# LocalStack data and the state file the CLI reads are one launcher's only.
+LOCK_FILE = STATE_DIR / "embedded.lock"
 
 # A worker that exits is started again after WORKER_BACKOFF_S, doubled for each
 # exit in a row, at most WORKER_BACKOFF_MAX_S. One that became ready (its log
@@ -552,6 +556,31 @@ Ctrl-C stops everything. A second Ctrl-C kills it all at once.
     )
 
 
+class StateDirInUse(RuntimeError):
+    pass
+
+
+def hold_state_dir() -> int:
+    """Lock STATE_DIR for this launcher's lifetime (the lock goes with the
+    process, a killed one's too; children do not inherit it). Another launcher
+    on the same folder would mix its logs into this one's, replace the state
+    file the CLI reads, and delete it on exit while this one still runs."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        try:
+            running = json.loads(STATE_FILE.read_text()).get("url") or "starting"
+        except (OSError, ValueError):
+            running = "starting"
+        raise StateDirInUse(
+            f"another `make run` is using {STATE_DIR} (API: {running}): stop it first, or give this one a "
+            f"folder and a port of its own: SLUICE_STATE_DIR=/tmp/sluice-2 SLUICE_PORT=8001 make run") from None
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     # SLUICE_PORT=80a or a misspelled emulator: one line naming the variable, as
     # sluice.settings words them, not a traceback.
@@ -567,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int_from(0), default=workers,
                         help="worker processes (default: SLUICE_WORKERS, else 2)")
     args = parser.parse_args(argv)
+    try:
+        hold_state_dir()  # released when this process ends
+    except StateDirInUse as exc:
+        say(f"start-up refused: {exc}", file=sys.stderr)
+        return 1
 
     # Per-key rate limit on by default here (on AWS, usage plans do it);
     # SLUICE_RATE_LIMIT_PER_S=0 turns it off (docs/reliability.md).

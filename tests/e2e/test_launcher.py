@@ -6,6 +6,7 @@ event (a line printed, a process gone), never on a sleep standing in for one."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
@@ -357,6 +358,23 @@ def test_a_busy_api_port_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "logs" / "emulator.log").exists(), "the emulator was started anyway"
     assert "stopping" not in out and "stopped." not in out, out  # nothing was started to stop
     assert (tmp_path / "embedded.json").exists(), "another launcher's state file was deleted"
+
+
+def test_a_second_launcher_on_the_same_state_folder_is_refused(tmp_path):
+    # Two on one folder mixed their logs, and the first to stop deleted the
+    # other's state file, which the CLI reads for the key and the endpoints.
+    state = '{"url": "http://127.0.0.1:8000", "pid": 1}'
+    (tmp_path / "embedded.json").write_text(state)
+    with open(tmp_path / "embedded.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the running launcher holds it
+        done = subprocess.run(launcher_args(free_port()), env=launcher_env(tmp_path), cwd=ROOT, capture_output=True,
+                              text=True, timeout=30, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert f"another `make run` is using {tmp_path} (API: http://127.0.0.1:8000)" in done.stderr, out
+    assert "SLUICE_STATE_DIR=/tmp/sluice-2 SLUICE_PORT=8001 make run" in done.stderr, out
+    assert not (tmp_path / "logs").exists(), "something was started anyway"
+    assert (tmp_path / "embedded.json").read_text() == state, "the running launcher's state was touched"
 
 
 class ExitingWorkers(Stack):
