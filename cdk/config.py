@@ -78,7 +78,17 @@ class SluiceConfig:
     sagemaker_inference_ami: str = "al2-ami-sagemaker-inference-gpu-3-1"
     min_instances: int = 1
     max_instances: int = 4
-    invocations_per_instance: int = 600
+    # Autoscaling's target for SageMaker's ConcurrentRequestsPerModel: the calls
+    # an instance's container holds at once, running or waiting. serve.py runs
+    # one call per model at a time (the rest wait behind its lock), and each
+    # dispatcher invocation sends its batch as one call per model and waits
+    # for it: 2 is one call running and the next one ready, so the GPU does not
+    # idle while a dispatcher records its outcomes; past it calls queue, and an
+    # instance is added. A call's wait counts against SageMaker's 60 s
+    # invocation timeout, so a higher target lets calls queue into timeouts
+    # (failed attempts) before the endpoint scales; 1 or less adds an instance
+    # before any call waits.
+    concurrent_requests_per_instance: float = 2.0
     dispatcher_batch_size: int = 32
     dispatcher_batching_window_s: int = 1
     # Lambda pollers per priority queue (2 is the service minimum).
@@ -113,21 +123,25 @@ class SluiceConfig:
     # ------------------------------------------------------------ reading
     @classmethod
     def from_context(cls, node) -> "SluiceConfig":
-        """Defaults <- context ``sluice`` (a dict) <- context ``sluice.<field>`` keys."""
+        """Defaults <- context ``sluice`` (a dict) <- context ``sluice.<option>`` keys."""
         raw: dict[str, Any] = {}
         base = node.try_get_context("sluice")
         if isinstance(base, str):
             base = json.loads(base)
         if base:
             raw.update(base)
-        for f in fields(cls):
-            value = node.try_get_context(f"sluice.{f.name}")
-            if value is not None:
-                raw[f.name] = value
+        # Every dotted key, not only the known ones: a misspelt or removed
+        # option given with -c is refused by from_dict, not silently ignored.
+        for key, value in node.get_all_context().items():
+            if key.startswith("sluice.") and value is not None:
+                raw[key.removeprefix("sluice.")] = value
         return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SluiceConfig":
+        replaced = sorted(set(raw) & set(_REPLACED))
+        if replaced:
+            raise ValueError("; ".join(f"sluice.{old}: {_REPLACED[old]}" for old in replaced))
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
@@ -172,6 +186,8 @@ class SluiceConfig:
             problems.append("0 <= min_nodes <= max_nodes, max_nodes >= 1")
         if not 1 <= self.min_instances <= self.max_instances:
             problems.append("1 <= min_instances <= max_instances")
+        if not 0 < self.concurrent_requests_per_instance <= 1000:
+            problems.append("concurrent_requests_per_instance: more than 0, at most 1000")
         if not 1 <= self.dispatcher_batch_size <= 100:
             # Every endpoint call of a batch runs at once (one call per task at
             # worst), so that the batch fits one invocation timeout.
@@ -205,6 +221,15 @@ class SluiceConfig:
 
 
 _NAME_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,69}")
+
+# Options that are gone, each with what replaces it. Refused by name, since a
+# value set for the old meaning cannot be carried over.
+_REPLACED = {
+    "invocations_per_instance": (
+        "removed: the endpoint scales on concurrent requests per instance, not invocations per minute; "
+        "set sluice.concurrent_requests_per_instance instead (default 2)"
+    ),
+}
 
 
 # EC2 and SageMaker families with NVIDIA GPUs: g and p then a generation

@@ -10,6 +10,7 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
+from cdk.log_retention import LOG_RETENTION
 from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
 
 RUNTIME = lambda_.Runtime.PYTHON_3_14  # must match cdk.bundling.LAMBDA_PYTHON
@@ -52,7 +53,7 @@ class PythonFunction(Construct):
     ) -> None:
         super().__init__(scope, id)
         self.log_group = logs.LogGroup(
-            self, "Logs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY
+            self, "Logs", retention=LOG_RETENTION, removal_policy=RemovalPolicy.DESTROY
         )
         self.role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
         self.role.add_to_policy(

@@ -11,6 +11,7 @@ import json
 from aws_cdk import Acknowledgment, CfnCondition, Stack, Validations
 from constructs import IConstruct
 
+from cdk.log_retention import RETENTION_FUNCTION_ID
 from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
 from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
 
@@ -24,6 +25,12 @@ _KUBECTL = (
 )
 _NODE_POLICIES = "EKS managed node groups need these AWS managed policies to join the cluster and pull images."
 _XRAY = "X-Ray PutTraceSegments/PutTelemetryRecords take no resource-level permissions."
+_LOG_RETENTION = (
+    "aws-cdk-lib's LogRetention function, which gives the log groups that EKS and SageMaker create themselves "
+    "the stack's retention (cdk/log_retention.py): the library attaches AWSLambdaBasicExecutionRole and "
+    "logs:PutRetentionPolicy/DeleteRetentionPolicy on every log group, to a role passed in as well, and its "
+    "handler also sets the retention of its own /aws/lambda/ log group, whose name it learns only when it runs."
+)
 _WORKER_METRICS = (
     "cloudwatch:PutMetricData takes no resource-level permissions; a StringEquals cloudwatch:namespace "
     f"condition limits it to the workers' namespace ({METRICS_NAMESPACE})."
@@ -103,6 +110,10 @@ def suppress(stack: Stack) -> None:
         "the gateway's refusal of a body cannot name the field and the rule, and the app's does.",
         "AwsSolutions-APIG2",
     )
+
+    # ------------------------------------------------------ log retention
+    _ack(stack, RETENTION_FUNCTION_ID, _LOG_RETENTION,
+         _managed("service-role/AWSLambdaBasicExecutionRole"), "AwsSolutions-IAM5[Resource::*]")
 
     # ---------------------------------------------------------- SageMaker
     _ack(stack, "Workers/Dispatcher/Role", object_reason, inputs, results)

@@ -17,6 +17,7 @@ from constructs import Construct
 
 from cdk import access
 from cdk.config import PRIORITIES, SluiceConfig
+from cdk.log_retention import LOG_RETENTION, expire_service_log_group
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 from sluice.worker.metrics import NAMESPACE as METRICS_NAMESPACE
@@ -52,7 +53,7 @@ class EksWorkers(Construct):
             flow_logs={
                 "all": ec2.FlowLogOptions(
                     destination=ec2.FlowLogDestination.to_cloud_watch_logs(
-                        logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+                        logs.LogGroup(self, "FlowLogs", retention=LOG_RETENTION)
                     )
                 )
             },
@@ -81,6 +82,10 @@ class EksWorkers(Construct):
             kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=KubectlV35Layer(self, "Kubectl")),
         )
         cluster = self.cluster
+        # Where EKS sends the control-plane logs enabled above.
+        expire_service_log_group(
+            self, "ControlPlaneLogRetention", log_group_name=f"/aws/eks/{cluster.cluster_name}/cluster"
+        )
 
         # Small on-demand nodes for CoreDNS, KEDA and the autoscaler; the GPU
         # nodes are tainted so that only workers land there.

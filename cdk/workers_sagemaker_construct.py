@@ -16,6 +16,7 @@ from constructs import Construct
 from cdk import access
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.functions import LambdaCode, PythonFunction
+from cdk.log_retention import expire_service_log_group
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 
@@ -103,6 +104,10 @@ class SageMakerWorkers(Construct):
             retain_all_variant_properties=True,
         )
         self.endpoint_name = self.endpoint.attr_endpoint_name
+        # The container's stdout and stderr, where SageMaker puts them.
+        expire_service_log_group(
+            self, "EndpointLogRetention", log_group_name=f"/aws/sagemaker/Endpoints/{self.endpoint_name}"
+        )
 
         target = appscaling.ScalableTarget(
             self,
@@ -113,10 +118,17 @@ class SageMakerWorkers(Construct):
             min_capacity=config.min_instances,
             max_capacity=config.max_instances,
         )
+        # On calls held at once, not invocations per minute: serve.py runs one
+        # call per model at a time, so an instance whose calls take longer than
+        # 60 s / target never reaches an InvocationsPerInstance target, and the
+        # endpoint never scaled out however long the queues grew.
+        # ConcurrentRequestsPerModel counts the calls waiting in the container
+        # as well as the one running, every 10 s (SluiceConfig's
+        # concurrent_requests_per_instance says why its default is 2).
         target.scale_to_track_metric(
-            "InvocationsPerInstance",
-            target_value=config.invocations_per_instance,
-            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_INVOCATIONS_PER_INSTANCE,
+            "ConcurrentRequestsPerModel",
+            target_value=config.concurrent_requests_per_instance,
+            predefined_metric=appscaling.PredefinedMetric.SAGEMAKER_VARIANT_CONCURRENT_REQUESTS_PER_MODEL_HIGH_RESOLUTION,
             scale_in_cooldown=Duration.minutes(5),
             scale_out_cooldown=Duration.minutes(1),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from aws_cdk import App
 
 from cdk.build import cdk_json_context
 from cdk.config import SluiceConfig, UsagePlan
@@ -55,6 +56,7 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"result_ttl_days": 0}, "result_ttl_days"),
         ({"dispatcher_batch_size": 101}, "dispatcher_batch_size"),
         ({"no_such_option": 1}, "unknown"),
+        ({"concurrent_requests_per_instance": 0}, "concurrent_requests_per_instance: more than 0"),
         ({"sagemaker_instance_type": "ml.m5.xlarge"}, "sagemaker_instance_type: 'ml.m5.xlarge' has no NVIDIA GPU"),
         ({"sagemaker_instance_type": "ml.inf2.xlarge"}, "sagemaker_instance_type"),
         ({"backends": "eks", "gpu_instance_types": "g5.xlarge,c5.xlarge"}, "gpu_instance_types: 'c5.xlarge'"),
@@ -68,6 +70,36 @@ def test_derived_timeouts_cover_the_longest_batch():
 def test_invalid_configuration_is_refused(raw, message):
     with pytest.raises(ValueError, match=message):
         SluiceConfig.from_dict(raw)
+
+
+def test_the_replaced_invocations_per_instance_option_is_refused_naming_its_successor():
+    # Its value (invocations per minute) means nothing as a concurrency target.
+    with pytest.raises(ValueError) as refused:
+        SluiceConfig.from_dict({"invocations_per_instance": 600})
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith("sluice.invocations_per_instance: removed")
+    assert "set sluice.concurrent_requests_per_instance instead" in line
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("sluice.invocations_per_instance", "set sluice.concurrent_requests_per_instance instead"),
+        ("sluice.max_worker", "unknown sluice context options: max_worker"),
+    ],
+)
+def test_a_dotted_command_line_option_that_is_not_one_is_refused(key, message):
+    # `cdk deploy -c sluice.<option>=...`: once read only for known options, so these went unnoticed.
+    app = App(context={"sluice": cdk_json_context()["sluice"], key: "16"})
+    with pytest.raises(ValueError, match=message):
+        SluiceConfig.from_context(app.node)
+
+
+def test_dotted_command_line_options_override_the_context_dict():
+    app = App(context={"sluice": cdk_json_context()["sluice"], "sluice.concurrent_requests_per_instance": "1.5",
+                       "sluice.max_workers": "16"})
+    config = SluiceConfig.from_context(app.node)
+    assert config.concurrent_requests_per_instance == 1.5 and config.max_workers == 16
 
 
 @pytest.mark.parametrize("types", ["g4dn.xlarge,g5.2xlarge,g6e.xlarge,p4d.24xlarge,p5.48xlarge", "g6.xlarge"])

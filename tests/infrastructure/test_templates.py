@@ -37,6 +37,20 @@ def refs(value) -> set[str]:
     return found
 
 
+def expression_text(value) -> str:
+    """A CloudFormation string expression as text, each reference in it as <Logical> or <Logical.Attribute>."""
+    if isinstance(value, str):
+        return value
+    if "Ref" in value:
+        return f"<{value['Ref']}>"
+    if "Fn::GetAtt" in value:
+        return "<{}.{}>".format(*value["Fn::GetAtt"])
+    if "Fn::Join" in value:
+        separator, parts = value["Fn::Join"]
+        return separator.join(expression_text(part) for part in parts)
+    raise AssertionError(f"not a string expression: {value}")
+
+
 # ------------------------------------------------------------------ assembly
 
 
@@ -360,6 +374,32 @@ def graphed(raw: dict) -> list[tuple[str, str, str, dict, dict]]:
 POLL_ROUTE = "GET /v1/tasks/{task_id}"
 
 
+def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, backend):
+    # EKS (control-plane logging) and SageMaker (the endpoint's container logs)
+    # create their log groups themselves, with no retention: kept forever.
+    raw = synth.raw[backend]
+    functions = resources(raw, "AWS::Lambda::Function").values()
+    (api,) = [f["Properties"] for f in functions if f["Properties"].get("Handler") == "lambdas.api.handler.handler"]
+    (api_logs,) = refs(api["LoggingConfig"]["LogGroup"])
+    retention = resources(raw, "AWS::Logs::LogGroup")[api_logs]["Properties"]["RetentionInDays"]
+    assert retention == 30
+    if backend == "eks":
+        (cluster,) = resources(raw, "AWS::EKS::Cluster")  # Ref: the cluster's name
+        service_group = f"/aws/eks/<{cluster}>/cluster"
+    else:
+        (endpoint,) = resources(raw, "AWS::SageMaker::Endpoint")
+        service_group = f"/aws/sagemaker/Endpoints/<{endpoint}.EndpointName>"
+    # Set whether or not the service has created the group yet: a LogGroup of
+    # the same name would fail on a stack whose service already made it.
+    retained = {
+        expression_text(r["Properties"]["LogGroupName"]): r["Properties"]["RetentionInDays"]
+        for r in resources(raw, "Custom::LogRetention").values()
+    }
+    assert retained == {service_group: retention}
+    for group in resources(raw, "AWS::Logs::LogGroup").values():
+        assert group["Properties"].get("RetentionInDays"), group
+
+
 def test_the_dashboard_graphs_latency_per_route_as_the_alarms_watch_it(synth, backend):
     # A stage-wide p99 is the long polls' (up to 20 s by design): the dashboard shows
     # each submit route, with the very dimensions its alarm reads, and the poll apart.
@@ -647,6 +687,26 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
     invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
     (statement,) = invoke
     assert refs(statement["Resource"]) == set(resources(raw, "AWS::SageMaker::Endpoint"))
+
+
+def test_the_endpoint_scales_out_on_calls_waiting_in_its_container(synth):
+    raw = synth.raw["sagemaker"]
+    config = synth.config["sagemaker"]
+    (policy,) = resources(raw, "AWS::ApplicationAutoScaling::ScalingPolicy").values()
+    tracking = policy["Properties"]["TargetTrackingScalingPolicyConfiguration"]
+    # serve.py runs one call per model at a time: once a call takes longer than
+    # 60 s / target, an invocations-per-minute target is never reached and the
+    # endpoint never scales out. Calls held (running or waiting), every 10 s:
+    assert tracking["PredefinedMetricSpecification"] == {
+        "PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"
+    }
+    assert tracking["TargetValue"] == config.concurrent_requests_per_instance
+    # One call running and the next one waiting: past that, calls queue into
+    # SageMaker's 60 s invocation timeout, and an instance is added.
+    assert config.concurrent_requests_per_instance == 2
+    assert (tracking["ScaleOutCooldown"], tracking["ScaleInCooldown"]) == (60, 300)
+    (target,) = resources(raw, "AWS::ApplicationAutoScaling::ScalableTarget")
+    assert refs(policy["Properties"]["ScalingTargetId"]) == {target}
 
 
 def role_actions(raw: dict, role: str) -> set[str]:
