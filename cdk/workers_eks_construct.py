@@ -335,6 +335,13 @@ class EksWorkers(Construct):
             resolve_conflicts="OVERWRITE",
         )
         insights.node.add_dependency(self.system_nodes)
+        # The add-on's Fluent Bit and agent create these with no retention;
+        # `application` holds every line every worker logs.
+        for kind in ("application", "dataplane", "host", "performance"):
+            expire_service_log_group(
+                self, f"ContainerInsights{kind.title()}LogRetention",
+                log_group_name=f"/aws/containerinsights/{cluster.cluster_name}/{kind}",
+            )
 
     def _irsa_role(self, id: str, namespace: str, service_account: str) -> iam.Role:
         """A role that exactly one Kubernetes service account may assume (IRSA)."""

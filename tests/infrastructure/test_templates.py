@@ -375,8 +375,9 @@ POLL_ROUTE = "GET /v1/tasks/{task_id}"
 
 
 def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, backend):
-    # EKS (control-plane logging) and SageMaker (the endpoint's container logs)
-    # create their log groups themselves, with no retention: kept forever.
+    # EKS (control-plane logging, the Container Insights add-on) and SageMaker
+    # (the endpoint's container logs) create their log groups themselves, with
+    # no retention: kept forever.
     raw = synth.raw[backend]
     functions = resources(raw, "AWS::Lambda::Function").values()
     (api,) = [f["Properties"] for f in functions if f["Properties"].get("Handler") == "lambdas.api.handler.handler"]
@@ -385,17 +386,19 @@ def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, b
     assert retention == 30
     if backend == "eks":
         (cluster,) = resources(raw, "AWS::EKS::Cluster")  # Ref: the cluster's name
-        service_group = f"/aws/eks/<{cluster}>/cluster"
+        # The control plane's, and Container Insights' (the worker logs among them).
+        service_groups = {f"/aws/eks/<{cluster}>/cluster"} | {
+            f"/aws/containerinsights/<{cluster}>/{kind}" for kind in ("application", "dataplane", "host", "performance")}
     else:
         (endpoint,) = resources(raw, "AWS::SageMaker::Endpoint")
-        service_group = f"/aws/sagemaker/Endpoints/<{endpoint}.EndpointName>"
+        service_groups = {f"/aws/sagemaker/Endpoints/<{endpoint}.EndpointName>"}
     # Set whether or not the service has created the group yet: a LogGroup of
     # the same name would fail on a stack whose service already made it.
     retained = {
         expression_text(r["Properties"]["LogGroupName"]): r["Properties"]["RetentionInDays"]
         for r in resources(raw, "Custom::LogRetention").values()
     }
-    assert retained == {service_group: retention}
+    assert retained == dict.fromkeys(service_groups, retention)
     for group in resources(raw, "AWS::Logs::LogGroup").values():
         assert group["Properties"].get("RetentionInDays"), group
 
