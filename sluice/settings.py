@@ -112,7 +112,9 @@ class Settings(BaseSettings):
     priority_weights: str = Field(default="high=6,normal=3,low=1", pattern=r"^(\s*(high|normal|low)\s*=\s*[0-9]+\s*(,|$))*$")
     visibility_timeout_s: int = Field(default=60, ge=VISIBILITY_TIMEOUT_MIN_S, le=12 * 3600)  # SQS's at most
     max_attempts: int = Field(default=3, ge=1, le=1000, description="Runs of a task before it is failed; also its queue's maxReceiveCount.")
-    receive_wait_s: int = Field(default=1, ge=0, le=20)  # SQS's long-poll limits
+    # At most SQS's long-poll limit; at least 1, since 0 (short polling) has an
+    # idle worker's three receivers call SQS in a tight loop, each call billed.
+    receive_wait_s: int = Field(default=1, ge=1, le=20)
     inference_timeout_s: int = Field(default=900, ge=1, description="A batch in inference longer than this ends "
                                      "the worker (exit 70), handing back what it holds: a hung GPU must not keep "
                                      "its messages hidden for ever behind the heartbeat.")

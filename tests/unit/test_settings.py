@@ -28,6 +28,7 @@ VISIBILITY_TIMEOUT_MIN_S = 4
         ("SLUICE_MAX_BATCH_SIZE", "0"),
         ("SLUICE_MAX_WAIT_MS", "-1"),
         ("SLUICE_RECEIVE_WAIT_S", "21"),
+        ("SLUICE_RECEIVE_WAIT_S", "0"),  # short polling: an idle worker calling SQS in a tight loop
         ("SLUICE_VISIBILITY_TIMEOUT_S", "0"),
         # The heartbeat's first extension would come after the message reappeared (1 s), or as it does (2 s).
         ("SLUICE_VISIBILITY_TIMEOUT_S", "1"),
