@@ -120,6 +120,13 @@ class SluiceConfig:
     def termination_grace_s(self) -> int:
         return self.longest_batch_s + 30
 
+    @property
+    def inference_timeout_s(self) -> int:
+        # A batch running twice the longest there should be is a hung GPU: the
+        # worker exits and hands its messages back. The worker's own default
+        # (900 s) would keep them hidden, heartbeat after heartbeat, that long.
+        return 2 * self.longest_batch_s
+
     # ------------------------------------------------------------ reading
     @classmethod
     def from_context(cls, node) -> "SluiceConfig":

@@ -625,6 +625,18 @@ def test_eks_workers_put_their_metrics_in_the_sluice_namespace(synth):
     assert NAMESPACE == "Sluice"
 
 
+def test_eks_workers_give_up_a_hung_batch_after_twice_the_longest_batch(synth):
+    # Without it a hung GPU held its messages for the worker's default 900 s,
+    # where the stack is sized for batches of longest_batch_s (60 s).
+    from cdk.config import SluiceConfig
+
+    (container,) = worker_deployment(synth.raw["eks"])["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = SluiceConfig()
+    assert env["SLUICE_INFERENCE_TIMEOUT_S"] == str(2 * config.longest_batch_s) == "120"
+    assert int(env["SLUICE_INFERENCE_TIMEOUT_S"]) < int(env["SLUICE_VISIBILITY_TIMEOUT_S"])
+
+
 def test_eks_cluster_is_private_and_logs_everything(synth):
     (cluster,) = resources(synth.raw["eks"], "AWS::EKS::Cluster").values()
     props = cluster["Properties"]
