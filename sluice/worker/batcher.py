@@ -86,7 +86,7 @@ class PrefetchBuffer:
             while True:
                 full = inputs >= max_inputs
                 while not full and (ready := [p for p in self._ready() if p not in passed]):
-                    priority = policy.pick(ready)
+                    priority = policy.pick(ready, cost=lambda p: self._queues[p][0][1])  # in inputs
                     message, n = self._queues[priority][0]
                     if batch and inputs + n > max_inputs:
                         # Ending the batch here would starve a big task (its
@@ -94,7 +94,7 @@ class PrefetchBuffer:
                         if self._deferred is None:
                             self._deferred = priority
                         else:
-                            policy.refund(priority, ready)
+                            policy.refund(priority, ready, n)
                         passed.add(priority)
                         continue
                     self._queues[priority].popleft()

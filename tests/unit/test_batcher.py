@@ -122,3 +122,17 @@ def test_two_tasks_too_big_for_the_same_batch_are_each_served():
         buffer.put([message(Priority.high, n=1000 * b + i) for i in range(buffer.room(Priority.high))])
         served |= {m.task().task_id for m in buffer.take_batch(policy, max_inputs=32, max_wait_s=0, idle_wait_s=1)}
     assert {"normal--1", "low--2"} <= served
+
+
+def test_priorities_share_the_models_inputs_whatever_their_tasks_sizes():
+    # 1-input high tasks beside 16-input low ones, both queues always full:
+    # counted in messages, low took about 16/(6+16) of the inputs, not 1/7.
+    buffer, policy = PrefetchBuffer(10_000), WeightedPriorityPolicy(WEIGHTS)
+    buffer.put([message(Priority.high, 1, n=i) for i in range(3000)])
+    buffer.put([message(Priority.low, 16, n=10_000 + i) for i in range(500)])
+    taken = {Priority.high: 0, Priority.low: 0}
+    for _ in range(60):
+        for m in buffer.take_batch(policy, max_inputs=32, max_wait_s=0, idle_wait_s=1):
+            taken[m.priority] += 16 if m.priority is Priority.low else 1
+    low_share = taken[Priority.low] / sum(taken.values())
+    assert 0.1 <= low_share <= 0.2, taken  # its weight, 1 of 7: 0.14

@@ -51,3 +51,28 @@ def test_a_refunded_pick_leaves_no_trace():
             policy.refund(policy.pick([N, L]), [N, L])
         picks.append(policy.pick(ALL))
     assert picks == [untouched.pick(ALL) for _ in range(30)]
+
+
+def test_shares_are_shares_of_inputs_when_tasks_differ_in_size():
+    # Counted in messages, 32-input normal and low tasks took as many inputs as
+    # 1-input high ones (94% of the messages were high, a third of the inputs).
+    policy = WeightedPriorityPolicy({H: 6, N: 3, L: 1})
+    size = {H: 1, N: 32, L: 32}
+    inputs = Counter()
+    for _ in range(20_000):
+        p = policy.pick(ALL, cost=size.get)
+        inputs[p] += size[p]
+    total = sum(inputs.values())
+    assert inputs[H] / total == pytest.approx(0.6, abs=0.01)
+    assert inputs[N] / total == pytest.approx(0.3, abs=0.01)
+    assert inputs[L] / total == pytest.approx(0.1, abs=0.01)
+
+
+def test_a_refunded_pick_of_many_turns_leaves_no_trace():
+    policy, untouched = WeightedPriorityPolicy({H: 6, N: 3, L: 1}), WeightedPriorityPolicy({H: 6, N: 3, L: 1})
+    picks = []
+    for i in range(30):
+        if i % 4 == 0:
+            policy.refund(policy.pick([N, L], cost=lambda p: 7), [N, L], 7)
+        picks.append(policy.pick(ALL))
+    assert picks == [untouched.pick(ALL) for _ in range(30)]
