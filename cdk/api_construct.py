@@ -22,24 +22,85 @@ from cdk.config import SluiceConfig
 from cdk.functions import LambdaCode, PythonFunction
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
-from sluice.contract import BatchSubmitRequest, SubmitRequest
+from sluice.api.errors import ApiError, unavailable
+from sluice.contract import BatchSubmitRequest, ErrorDetail, SubmitRequest
+from sluice.settings import Settings
 
 HEALTH_PATH = "/health"
 # The routes that answer at once (the API's latency alarms watch these; a
 # GET /v1/tasks/{id}?wait_s=N long poll takes up to 20 s by design).
 SUBMIT_ROUTES = (("POST", "/v1/tasks"), ("POST", "/v1/tasks/batch"))
 
-# API Gateway's own refusals, in the same error shape the app uses.
-_GATEWAY_ERRORS = {
-    apigw.ResponseType.BAD_REQUEST_PARAMETERS: ("422", "validation_error"),
-    apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("403", "forbidden"),
-    apigw.ResponseType.INVALID_API_KEY: ("403", "forbidden"),
-    apigw.ResponseType.ACCESS_DENIED: ("403", "forbidden"),
-    apigw.ResponseType.THROTTLED: ("429", "rate_limited"),
-    apigw.ResponseType.QUOTA_EXCEEDED: ("429", "quota_exceeded"),
-    apigw.ResponseType.REQUEST_TOO_LARGE: ("413", "payload_too_large"),
-    apigw.ResponseType.WAF_FILTERED: ("403", "forbidden"),
+# The app's own body limit (SLUICE_MAX_BODY_BYTES), set on the function and
+# enforced ahead of it by the WAF. API Gateway takes bodies up to 10 MB but a
+# Lambda invoke at most 6 MB, the event included (the body as a JSON string,
+# its quotes, backslashes and perhaps non-ASCII escaped: at most 3x for a body
+# that is valid JSON; beside headers and context): 1 MiB leaves that room, so
+# a body the WAF lets through the function can take.
+MAX_BODY_BYTES: int = Settings.model_fields["max_body_bytes"].default
+
+# API Gateway's own refusals, in the same error shape the app uses: type ->
+# (status, or None to keep the gateway's own; code; message, or None for the
+# gateway's own; Retry-After seconds, or None).
+_GatewayError = tuple[str | None, str, str | None, int | None]
+_UNAVAILABLE = unavailable("the API")  # what the app answers when a dependency fails
+_GATEWAY_ERRORS: dict[apigw.ResponseType, _GatewayError] = {
+    apigw.ResponseType.BAD_REQUEST_PARAMETERS: ("422", "validation_error", None, None),
+    apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("403", "forbidden", None, None),
+    apigw.ResponseType.INVALID_API_KEY: ("403", "forbidden", None, None),
+    apigw.ResponseType.ACCESS_DENIED: ("403", "forbidden", None, None),
+    apigw.ResponseType.THROTTLED: ("429", "rate_limited", None, None),
+    apigw.ResponseType.QUOTA_EXCEEDED: ("429", "quota_exceeded", None, None),
+    apigw.ResponseType.REQUEST_TOO_LARGE: ("413", "payload_too_large", None, None),
+    apigw.ResponseType.WAF_FILTERED: ("403", "forbidden", None, None),
+    # The function did not answer within the integration's 29 s, or Lambda
+    # refused the invoke (throttled; an event over its 6 MB) or the function
+    # failed (a crash, its own timeout): the app's answer when a dependency
+    # fails, since the request may or may not have been recorded and a retry
+    # with the same Idempotency-Key resumes it. (503, not the gateway's
+    # 500/502/504: the status the contract documents for this code; the access
+    # log keeps the gateway's responseType and the integration's error.)
+    apigw.ResponseType.INTEGRATION_TIMEOUT: (
+        str(_UNAVAILABLE.status), _UNAVAILABLE.code, _UNAVAILABLE.message, int(_UNAVAILABLE.headers["Retry-After"])),
+    apigw.ResponseType.INTEGRATION_FAILURE: (
+        str(_UNAVAILABLE.status), _UNAVAILABLE.code, _UNAVAILABLE.message, int(_UNAVAILABLE.headers["Retry-After"])),
+    # Any other 5xx or 4xx the gateway makes: the app's shape, each keeping its
+    # own status (a status here would replace all of theirs).
+    apigw.ResponseType.DEFAULT_5_XX: (
+        None, "internal_error", "the request failed unexpectedly; it is safe to retry", 5),
+    apigw.ResponseType.DEFAULT_4_XX: (None, "http_error", None, None),
 }
+
+
+def _error_template(code: str, message: str | None) -> str:
+    if message is None:  # the gateway's own, already a quoted JSON string
+        return '{"error":{"code":"%s","message":$context.error.messageString,"details":[]}}' % code
+    template = json.dumps(ApiError(0, code, message).body(), separators=(",", ":"))
+    assert "$" not in template and "#" not in template  # nothing a mapping template would evaluate
+    return template
+
+
+def _too_large_body(max_bytes: int) -> str:
+    """The app's 413 for a body over max_bytes (sluice.api.app.BodyLimit), word for word."""
+    err = ApiError(413, "payload_too_large", f"request body is over {max_bytes} bytes",
+                   [ErrorDetail(field="body", rule=f"at most {max_bytes} bytes")])
+    return json.dumps(err.body(), separators=(",", ":"))
+
+
+def decimal_over(limit: int) -> str:
+    """A regex (PCRE, as WAF takes it: no capturing groups) matching a decimal
+    number greater than limit, leading zeros allowed, and nothing else.
+
+    A WAF size constraint on a header measures the value's length, not the
+    number it spells, so a Content-Length over the limit is matched by its digits."""
+    digits = str(limit)
+    branches = [f"[1-9][0-9]{{{len(digits)},}}"]  # more digits than the limit has
+    for i, d in enumerate(map(int, digits)):  # the same prefix, then a larger digit
+        if d < 9:
+            rest = len(digits) - i - 1
+            tail = "" if rest == 0 else "[0-9]" if rest == 1 else f"[0-9]{{{rest}}}"
+            branches.append(digits[:i] + (f"[{d + 1}-9]" if d < 8 else "9") + tail)
+    return "^0*(?:" + "|".join(branches) + ")$"
 
 
 class Api(Construct):
@@ -72,6 +133,7 @@ class Api(Construct):
                 "SLUICE_MODELS": config.models,
                 "SLUICE_RESULT_TTL_DAYS": str(config.result_ttl_days),
                 "SLUICE_RATE_LIMIT_PER_S": "0",  # usage plans throttle on AWS
+                "SLUICE_MAX_BODY_BYTES": str(MAX_BODY_BYTES),  # the WAF refuses the same bodies ahead of it
                 **queues.env(),
             },
         )
@@ -148,16 +210,13 @@ class Api(Construct):
         method(task, "GET", params=task_param)
         method(task, "DELETE", params=task_param)
 
-        for response_type, (status, code_name) in _GATEWAY_ERRORS.items():
+        for response_type, (status, code_name, message, retry_after_s) in _GATEWAY_ERRORS.items():
             self.api.add_gateway_response(
                 f"Gw{response_type.response_type}",
                 type=response_type,
                 status_code=status,
-                templates={
-                    "application/json": (
-                        '{"error":{"code":"%s","message":$context.error.messageString,"details":[]}}' % code_name
-                    )
-                },
+                templates={"application/json": _error_template(code_name, message)},
+                response_headers={"Retry-After": f"'{retry_after_s}'"} if retry_after_s is not None else None,
             )
 
         self.usage_plans = []
@@ -184,10 +243,22 @@ class Api(Construct):
         )
 
     def _waf(self, config: SluiceConfig) -> None:
-        """Managed bad-input rules and a per-IP rate cap ahead of the usage plans."""
+        """Managed bad-input rules, a per-IP rate cap ahead of the usage plans, and
+        the app's body limit on the declared Content-Length.
 
-        def rule(name: str, priority: int, statement: dict, *, managed: bool) -> dict:
-            extra = {"overrideAction": {"none": {}}} if managed else {"action": {"block": {}}}
+        The last answers exactly as the app would (413 payload_too_large, its
+        body word for word; a WAF custom response takes precedence over the
+        WAF_FILTERED gateway response), so a body API Gateway accepts (up to
+        10 MB) but a Lambda invoke could not carry (6 MB) never reaches the
+        function. WAF inspects at most the first 16 KB of a body (64 KB at extra
+        cost), so the rule matches the header, not the body. A body sent without
+        a Content-Length (chunked), if API Gateway takes one, passes it: up to
+        Lambda's 6 MB the app's own 413 answers, past it the invoke fails and the
+        client gets the gateway's 503 dependency_unavailable (10 MB: the
+        gateway's 413)."""
+
+        def rule(name: str, priority: int, statement: dict, *, managed: bool, block: dict | None = None) -> dict:
+            extra = {"overrideAction": {"none": {}}} if managed else {"action": {"block": block or {}}}
             return {
                 "name": name,
                 "priority": priority,
@@ -223,7 +294,25 @@ class Api(Construct):
                     {"rateBasedStatement": {"limit": config.waf_rate_limit_per_5min, "aggregateKeyType": "IP"}},
                     managed=False,
                 ),
+                # After the rate cap, so that a flood of large bodies still counts against it.
+                rule(
+                    "BodyOverLimit",
+                    2,
+                    {
+                        "regexMatchStatement": {
+                            "regexString": decimal_over(MAX_BODY_BYTES),
+                            # singleHeader is untyped in CDK: its keys go out as written (CloudFormation's "Name").
+                            "fieldToMatch": {"singleHeader": {"Name": "content-length"}},
+                            "textTransformations": [{"priority": 0, "type": "NONE"}],
+                        }
+                    },
+                    managed=False,
+                    block={"customResponse": {"responseCode": 413, "customResponseBodyKey": "payload_too_large"}},
+                ),
             ],
+            custom_response_bodies={
+                "payload_too_large": {"contentType": "APPLICATION_JSON", "content": _too_large_body(MAX_BODY_BYTES)},
+            },
         )
         stage_arn = Stack.of(self).format_arn(
             service="apigateway",
@@ -246,6 +335,8 @@ _ACCESS_LOG = {
     "integrationLatencyMs": "$context.integrationLatency",
     "responseLength": "$context.responseLength",
     "error": "$context.error.message",
+    "errorType": "$context.error.responseType",  # e.g. INTEGRATION_FAILURE, answered as 503 in the app's shape
+    "integrationError": "$context.integration.error",
     "validationError": "$context.error.validationErrorString",
     "xrayTraceId": "$context.xrayTraceId",
     "requestTime": "$context.requestTimeEpoch",
