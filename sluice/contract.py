@@ -66,7 +66,7 @@ TaskInputs = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUT
 # The API's path and header parameters (sluice/api/app.py).
 TaskId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
 IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)]
-WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S)]
+WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)]  # nan, inf: "finite_number", not a bound
 
 
 class Priority(str, enum.Enum):

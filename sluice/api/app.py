@@ -332,11 +332,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         else:
             view = await run_in_threadpool(service.get, tenant_id, task_id)
         if wait_s and not view.status.is_terminal:
+            # The final record; or, when wait_s ran out first, the latest one the
+            # waiter read (a retry's error, an attempt), so a timed-out wait answers
+            # the task's current state without a read of its own. None: it read none.
             record = await waiter.wait(task_id, wait_s)
             if record is not None:
                 final = record.status.is_terminal
                 view = await run_in_threadpool(service.view, record) if final else \
-                    await run_in_threadpool(service.get, tenant_id, task_id, record)  # overdue: expires it
+                    await run_in_threadpool(service.get, tenant_id, task_id, record)  # expires it if overdue
         return view
 
     @app.delete("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"],

@@ -265,6 +265,68 @@ def test_the_parameters_keep_the_contract_s_rules(api):
     assert submit(api, api.key_a, **{"Idempotency-Key": "k" * 128}).status_code == 202
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_a_wait_that_is_not_a_finite_number_says_so(api, value):
+    # nan fails every comparison, so the bound rules named it "less_than_equal".
+    task_id = submit(api, api.key_a).json()["task_id"]
+    response = api.get(f"/v1/tasks/{task_id}?wait_s={value}", headers={"x-api-key": api.key_a})
+    assert response.status_code == 422, response.text
+    [detail] = response.json()["error"]["details"]
+    assert detail["field"] == "query.wait_s" and detail["rule"].startswith("finite_number"), detail
+
+
+def test_a_long_poll_that_times_out_answers_the_task_s_current_state(api, settings, monkeypatch):
+    # A retry's error and attempt, recorded while the GET waits, are in its answer.
+    import threading
+
+    from sluice.api.waiter import CompletionWaiter
+    from sluice.contract import TaskStatus, now_ms
+    from tests.reliability.harness import wait_until
+
+    task_id = submit(api, api.key_a).json()["task_id"]
+    waiters = []
+    real_wait = CompletionWaiter.wait
+
+    async def spied_wait(self, task_id, timeout_s):
+        waiters.append(self)
+        return await real_wait(self, task_id, timeout_s)
+
+    monkeypatch.setattr(CompletionWaiter, "wait", spied_wait)
+    answered = []
+    waiting = threading.Thread(target=lambda: answered.append(api.get(
+        f"/v1/tasks/{task_id}?wait_s=2", headers={"x-api-key": api.key_a})), daemon=True)
+    waiting.start()
+    wait_until(lambda: waiters and waiters[-1]._waiting.get(task_id), 10, "the long poll to park")
+    TaskStore(settings).apply(task_store.Change(
+        task_id, {"error_code": "model_error", "error_message": "boom", "started_at": now_ms()},
+        (TaskStatus.queued,), add_attempt=True))
+    waiting.join(15)
+    [response] = answered
+    view = response.json()
+    assert response.status_code == 200 and view["status"] == "queued", response.text
+    assert view["attempts"] == 1 and view["error"] == {"code": "model_error", "message": "boom"}, view
+
+
+def test_a_long_poll_reads_its_task_on_a_backed_off_schedule(api, monkeypatch):
+    # DynamoDB bills each item a BatchGetItem reads. Reading the task every
+    # 50 ms round, a 6 s wait read it 105-120 times (54 in a reviewer's 3.1 s);
+    # on the waiter's schedule: the first look, about 40 reads in the first 2 s
+    # (every round), 12 until 5 s (every 250 ms), then 1 or 2.
+    task_id = submit(api, api.key_a).json()["task_id"]
+    real = BaseClient._make_api_call
+    reads = []
+
+    def counted(client, operation, params):
+        if operation == "BatchGetItem":
+            reads.extend(k["task_id"]["S"] for t in params["RequestItems"].values() for k in t["Keys"])
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", counted)
+    response = api.get(f"/v1/tasks/{task_id}?wait_s=6", headers={"x-api-key": api.key_a})
+    assert response.status_code == 200 and response.json()["status"] == "queued", response.text
+    assert 20 <= reads.count(task_id) <= 60, reads.count(task_id)
+
+
 def test_a_number_too_long_to_parse_is_400_naming_the_body(api, settings):
     # Python refuses to parse an integer of over 4300 digits (CVE-2020-10735).
     body = b'{"model": "synthetic", "inputs": ["a"], "metadata": {"n": ' + b"9" * 5000 + b"}}"
