@@ -20,9 +20,10 @@ API_TASKS = [
     "dynamodb:DeleteItem",
     "dynamodb:DescribeTable",
 ]
-# Objects by prefix (sluice.contract): the API writes inputs/ (claim checks) and
-# reads results/ (the presigned result URLs are signed as this role).
-API_INPUTS = ["s3:PutObject"]
+# Objects by prefix (sluice.contract): the API writes inputs/ (claim checks),
+# deleting those of a submit it refused (409) or rolled back, and reads
+# results/ (the presigned result URLs are signed as this role).
+API_INPUTS = ["s3:PutObject", "s3:DeleteObject"]
 API_RESULTS = ["s3:GetObject"]
 API_OBJECTS = API_INPUTS + API_RESULTS  # whatever the prefix
 API_BUCKET = ["s3:ListBucket"]  # HeadBucket

@@ -306,6 +306,9 @@ class TaskRecord(BaseModel):
     # Which submit wrote or last claimed the record: only that submit's rollback
     # may delete it (sluice.api.service). Internal: never part of the view.
     submit_token: str | None = None
+    # When a retry of an idempotent submit last re-sent the task's message
+    # (epoch ms): retries within RESEND_INTERVAL_S send no more. Internal too.
+    resent_at: int | None = None
 
     def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
         queue_ms = self.started_at - self.created_at if self.started_at else None

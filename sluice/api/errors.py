@@ -39,3 +39,17 @@ def unavailable(what: str, retry_after_s: int = 5) -> ApiError:
         f"{what} is unavailable; retry later, with the same Idempotency-Key if the request had one",
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+# The header as a 422 names it (FastAPI's location of a header parameter:
+# "header", then its name), so a client finds it under one name in both.
+IDEMPOTENCY_KEY_FIELD = "header.Idempotency-Key"
+
+
+def idempotency_conflict() -> ApiError:
+    return ApiError(
+        409,
+        "idempotency_conflict",
+        "this Idempotency-Key was used with a different request body",
+        [ErrorDetail(field=IDEMPOTENCY_KEY_FIELD, rule="must not be reused for a different request")],
+    )

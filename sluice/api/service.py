@@ -11,6 +11,13 @@ submit finds the task it created the first time. Each submit writes its own
 token on the record; a retry re-sends the message and then claims the record
 with its token, so the first try's pending compensation can no longer delete it.
 A retry never deletes a record: the task may be one already accepted (202).
+The claim records when its message went out (`resent_at`); a retry that finds
+it younger than RESEND_INTERVAL_S does not send again.
+
+Claim-checked inputs are uploaded before the record is written. A submit that
+is refused (409) or, without a key, rolled back deletes what it uploaded: no
+record names it. A keyed submit's rollback keeps it: a concurrent retry with
+the same key and body names the very same object.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, SendFailed
 from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected, expire
 from sluice.api.backlog import QueueBacklog
-from sluice.api.errors import ApiError, not_found, unavailable
+from sluice.api.errors import ApiError, idempotency_conflict, not_found, unavailable
 from sluice.api.group_commit import GroupCommit
 from sluice.contract import (
     MESSAGE_RETENTION_S,
@@ -54,6 +61,15 @@ from sluice.settings import Settings
 log = logging.getLogger("sluice.api")
 
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d7c2e-5b0a-4d8e-9a51-3c2f7e9b1d40")
+
+# How long a retry of a queued task trusts the last re-send of its message. Its
+# `resent_at` is written only after SQS accepted that message, so a re-send that failed
+# or died leaves none and the next retry sends at once: this interval never delays
+# the recovery of a first try that died between record and message. It bounds the
+# duplicates a client retrying in a loop adds (each counts against the backlog cap
+# and may run the task twice) to one a minute, while a message lost after SQS took
+# it (a purged queue) is still put back by a retry within a minute.
+RESEND_INTERVAL_S = 60
 
 
 def idempotent_task_id(tenant_id: str, key: str) -> str:
@@ -217,15 +233,31 @@ class TaskService:
         )
         return record, self._message_of(record, request)
 
-    def _claim_check(self, record: TaskRecord, message: TaskMessage, stored: bool = False) -> None:
+    def _claim_check(self, record: TaskRecord, message: TaskMessage, stored: bool = False) -> str | None:
         """Large inputs go to S3; the message carries only their key. `stored`:
-        they are there already (a record is written only after its inputs)."""
+        they are there already (a record is written only after its inputs).
+        Returns the key it uploaded, if any."""
         body = json.dumps(message.inputs).encode()
-        if len(body) > self.settings.inline_payload_max_bytes:
-            key = self.payloads.inputs_key(message.tenant_id, message.task_id, record.request_hash)
-            if not stored:
-                self.payloads.put_json(key, body)
-            message.inputs, message.inputs_key = None, key
+        if len(body) <= self.settings.inline_payload_max_bytes:
+            return None
+        key = self.payloads.inputs_key(message.tenant_id, message.task_id, record.request_hash)
+        if not stored:
+            self.payloads.put_json(key, body)
+        message.inputs, message.inputs_key = None, key
+        return None if stored else key
+
+    def _discard_inputs(self, keys: list[str | None]) -> None:
+        """Deletes inputs uploaded for tasks that no record names: a refused or
+        rolled-back submit's. Best effort: the bucket's lifecycle rule is the
+        backstop, so a failure is logged and the answer stays the submit's."""
+        for key in keys:
+            if key is None:
+                continue
+            try:
+                self.payloads.delete(key)
+            except Exception as exc:  # noqa: BLE001 - the client's answer is the submit's error, not this
+                log.warning("could not delete the inputs %s of a submit that recorded no task: %s",
+                            key, type(exc).__name__)
 
     def submit(self, tenant_id: str, request: SubmitRequest, idempotency_key: str | None) -> TaskAccepted:
         try:
@@ -243,10 +275,15 @@ class TaskService:
             # can share a write with other submits (sluice.api.group_commit).
             record, message = self._build(tenant_id, request, new_task_id())
             try:
-                self._claim_check(record, message)
+                uploaded = self._claim_check(record, message)
             except (BotoCoreError, ClientError):
                 raise unavailable("the payload store") from None
-            self.group_commit.submit((record, message))
+            try:
+                self.group_commit.submit((record, message))
+            except Exception:
+                # Its record is rolled back (at once or in the background): no task names the inputs.
+                self._discard_inputs([uploaded])
+                raise
             return self._accepted(record, depth)
         return self._submit_once(tenant_id, request, idempotent_task_id(tenant_id, idempotency_key), None, depth)
 
@@ -255,15 +292,26 @@ class TaskService:
     ) -> TaskAccepted:
         """The submit of an Idempotency-Key: created once, replayed after."""
         record, message = self._build(tenant_id, request, task_id, fingerprint)
+        try:
+            uploaded = self._claim_check(record, message)
+        except (BotoCoreError, ClientError):
+            raise unavailable("the payload store") from None
         token = secrets.token_hex(8)
         # Twice at most: a retry may find the record of a first try that its
         # compensation deletes right then; the second round creates it afresh.
+        # (Whatever else fails, the inputs stay: a concurrent retry with this
+        # key and body names the same object.)
         for _ in range(2):
             try:
-                self._claim_check(record, message)
                 self.store.create(record, token)
             except TaskExists as exists:
-                accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
+                try:
+                    accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
+                except ApiError as refused:
+                    if refused.status == 409:
+                        # Named by the refused body's hash: no record names these inputs.
+                        self._discard_inputs([uploaded])
+                    raise
                 if accepted is not None:
                     return accepted
                 continue
@@ -302,6 +350,11 @@ class TaskService:
         except SendFailed as failed:
             self.compensator.undo(failed.failed_ids, token)
             lost = set(failed.failed_ids)
+        except BaseException:
+            # Not an AWS error (a defect): which messages went out is unknown
+            # just the same, so every record is rolled back, as above.
+            self.compensator.undo([r.task_id for r in records], token)
+            raise
         else:
             lost = set()
         for m in messages:
@@ -323,17 +376,19 @@ class TaskService:
     ) -> TaskAccepted | None:
         """The task this Idempotency-Key created; None if it vanished meanwhile."""
         if existing.request_hash != fingerprint:
-            raise ApiError(
-                409,
-                "idempotency_conflict",
-                "this Idempotency-Key was used with a different request body",
-                [ErrorDetail(field="Idempotency-Key", rule="must not be reused for a different request")],
-            )
+            raise idempotency_conflict()
         if existing.status != TaskStatus.queued:
             return self._accepted(existing, depth)
+        if existing.resent_at is not None and abs(now_ms() - existing.resent_at) < RESEND_INTERVAL_S * 1000:
+            # A replay re-sent its message moments ago, after which it claimed
+            # the record: the message is queued and no rollback can delete the
+            # record (the claim replaced the first try's token), so this retry
+            # adds no duplicate.
+            return self._accepted(existing, depth)
         # The first try may have died between record and message: send again,
-        # then claim the record. A duplicate message is harmless: the worker
-        # runs a task only once. Sending first means a failure leaves the record
+        # then claim the record. A duplicate message costs a backlog slot and
+        # perhaps a second run, hence at most one re-send per interval (above).
+        # Sending first means a failure leaves the record
         # as it was: it may be a task already accepted with its message queued,
         # so a replay never rolls it back (and the first try's own pending
         # rollback, if any, still applies to a record that has no message).
@@ -345,7 +400,9 @@ class TaskService:
             raise unavailable("the queue") from None
         self.backlog.sent(message.priority, 1)
         try:
-            self.store.apply(Change(existing.task_id, {"submit_token": token}, (TaskStatus.queued,)))
+            # The claim records the re-send too, only once the message went out.
+            self.store.apply(Change(existing.task_id, {"submit_token": token, "resent_at": now_ms()},
+                                    (TaskStatus.queued,)))
         except TransitionRejected as rejected:
             return None if rejected.current is None else self._accepted(rejected.current, depth)
         except (BotoCoreError, ClientError):
@@ -379,12 +436,11 @@ class TaskService:
         retry of one already accepted (its reply lost), which gets its tasks
         back whatever the queue holds or the models served now. None when any
         task is still to be created: only creating one is checked."""
-        try:
-            existing = self.store.get_many(task_id for task_id, _, _ in tasks)
-        except (BotoCoreError, ClientError, RuntimeError):
-            raise unavailable("the task store") from None
+        existing = self._read_records([task_id for task_id, _, _ in tasks])
         if len(existing) < len(tasks):
             return None
+        # Every task checked before any is replayed: a 409 re-sends nothing.
+        self._refuse_reused_key(existing, [(task_id, fingerprint) for task_id, _, fingerprint in tasks])
         token = secrets.token_hex(8)
         accepted = []
         for task_id, request, fingerprint in tasks:
@@ -394,6 +450,18 @@ class TaskService:
                 return None
             accepted.append(replayed)
         return accepted
+
+    def _read_records(self, task_ids: list[str]) -> dict[str, TaskRecord]:
+        try:
+            return self.store.get_many(task_ids)
+        except (BotoCoreError, ClientError, RuntimeError):
+            raise unavailable("the task store") from None
+
+    @staticmethod
+    def _refuse_reused_key(existing: dict[str, TaskRecord], tasks: list[tuple[str, str]]) -> None:
+        """409 if any (task id, fingerprint) names a record of another request."""
+        if any(task_id in existing and existing[task_id].request_hash != fingerprint for task_id, fingerprint in tasks):
+            raise idempotency_conflict()
 
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
         whole = request_hash(batch) if idempotency_key else None
@@ -413,30 +481,40 @@ class TaskService:
         if idempotency_key:
             # Each task is created once under its own id, so a retried batch
             # resumes exactly where it stopped. Each must match the whole batch,
-            # so a key reused for another batch is refused at its first task,
-            # before any record or message is written.
+            # so a key reused for another batch is refused before any input,
+            # record or message is written: all n records are read first, as
+            # the batch's records expire apart (each at its own finish + TTL)
+            # and the first task's may be gone while a later one's remains.
+            tasks = [(batch_task_id(tenant_id, idempotency_key, i), f"{whole}#{i}") for i in range(len(batch.tasks))]
+            self._refuse_reused_key(self._read_records([task_id for task_id, _ in tasks]), tasks)
             return BatchAccepted(
                 tasks=[
-                    self._submit_once(tenant_id, request, batch_task_id(tenant_id, idempotency_key, i),
-                                      f"{whole}#{i}", depths[request.priority])
-                    for i, request in enumerate(batch.tasks)
+                    self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority])
+                    for request, (task_id, fingerprint) in zip(batch.tasks, tasks)
                 ]
             )
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
         token = secrets.token_hex(8)
+        uploaded: list[str | None] = []
         try:
             for r, m in built:
-                self._claim_check(r, m)
+                uploaded.append(self._claim_check(r, m))
         except (BotoCoreError, ClientError):
+            self._discard_inputs(uploaded)
             raise unavailable("the payload store") from None
-        errors = self._write_fresh(built, token)
+        try:
+            errors = self._write_fresh(built, token)
+        except Exception:
+            self._discard_inputs(uploaded)  # every record is rolled back
+            raise
         if errors:
             # All or nothing: the client learns no task id from a 503, so the
             # tasks that did go out are rolled back too (a worker drops a
-            # message whose record is gone).
+            # message whose record is gone), and their inputs deleted.
             kept = [r.task_id for i, (r, _) in enumerate(built) if i not in errors]
             if kept:
                 self.compensator.undo(kept, token)
+            self._discard_inputs(uploaded)
             raise next(iter(errors.values()))
         return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r, _ in built])
 

@@ -902,7 +902,8 @@ def s3_grants(raw: dict) -> dict[str, dict[str, set[str]]]:
 
 
 def test_payload_grants_are_scoped_to_the_prefixes_each_principal_uses(synth, backend):
-    # The API (internet-facing) writes claim-checked inputs and signs result URLs;
+    # The API (internet-facing) writes claim-checked inputs (deleting those of a
+    # submit it refused or rolled back) and signs result URLs;
     # workers read inputs and write (or delete their own) results. Nobody else
     # touches the bucket, and nobody gets an action on the other prefix.
     from sluice.contract import INPUTS_PREFIX, RESULTS_PREFIX
@@ -918,7 +919,8 @@ def test_payload_grants_are_scoped_to_the_prefixes_each_principal_uses(synth, ba
     else:
         (worker,) = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
     assert s3_grants(raw) == {
-        api: {"s3:PutObject": {inputs}, "s3:GetObject": {results}, "s3:ListBucket": {f"<{bucket}>"}},
+        api: {"s3:PutObject": {inputs}, "s3:DeleteObject": {inputs}, "s3:GetObject": {results},
+              "s3:ListBucket": {f"<{bucket}>"}},
         worker: {
             "s3:GetObject": {inputs},
             "s3:PutObject": {results},

@@ -205,7 +205,7 @@ def test_a_batch_idempotency_key_replays_its_batch_and_refuses_another_before_wr
     for changed in (("a", "b", "c"), ("a", "x"), ("a",)):
         response = batch(*changed)
         assert response.status_code == 409, changed
-        assert response.json()["error"]["details"][0]["field"] == "Idempotency-Key"
+        assert response.json()["error"]["details"][0]["field"] == "header.Idempotency-Key"
     ddb = aws_client("dynamodb", settings)
     assert ddb.scan(TableName=settings.tasks_table, Select="COUNT")["Count"] == 2
     # A single submit's key never names a batch's task.
