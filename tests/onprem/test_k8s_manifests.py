@@ -187,6 +187,9 @@ class _Context:
     def try_get_context(self, key):
         return self.context.get(key)
 
+    def get_all_context(self):
+        return dict(self.context)
+
 
 def test_eks_workers_use_the_stacks_max_attempts_visibility_and_grace_period():
     # The stack made the queues with maxReceiveCount = max_attempts and its visibility
