@@ -12,7 +12,11 @@ was rolled back) or a final one (a duplicate, a cancel) is acknowledged without
 running. A redelivery means an earlier attempt ended without an outcome (a
 worker died, a reply was lost), so its start is recorded: a conditional update
 (`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
-task that keeps killing its worker from one that was only handed back.
+task that keeps killing its worker from one that was only handed back. So a
+claimed task that goes back without running (its batch's preparation failed
+after the claim, a worker stopping hands back the batches prepared behind the
+one in inference, its outcome could not be written) has that start taken back
+(unclaim), with the `started_at` the claim replaced: settling counts starts.
 
 Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
@@ -20,7 +24,9 @@ dropped). Results go inline when small and through S3 when large, under a key
 of their own run's, so a run that loses the write never replaces the object
 the record names (write_outcomes deletes the loser's). A result that cannot
 be uploaded is its own task's failed attempt (`result_not_stored`), never the
-batch's: the other outcomes are written all the same. A failure
+batch's: the other outcomes are written all the same. So is an outcome the
+table would not take (record_outcomes): not recorded, it is set aside for its
+task to go back to its queue unclaimed, and the rest are written. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
 next receive then moves it to the dead-letter queue. A permanent failure (an
@@ -45,7 +51,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic_core import to_json
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import Change, TaskStore, expire
+from sluice.adapters.task_store import Applied, Change, TaskStore, expire, surely_not_applied
 from sluice.contract import TaskMessage, TaskStatus
 from sluice.settings import Settings
 
@@ -63,6 +69,10 @@ class Job:
     deliveries: list[Any]
     inputs: list[str] = field(default_factory=list)
     started_at: int | None = None
+    # Set by claim when it recorded this redelivery's start (attempts + 1),
+    # with the started_at that start replaced: what unclaim puts back.
+    start_recorded: bool = False
+    started_before: int | None = None
 
     @property
     def attempts(self) -> int:
@@ -92,6 +102,9 @@ class Claim:
 
 
 def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
+    """Sort the jobs into runnable, expired and gone, recording each
+    redelivery's start. Raises when a write or the read fails, having taken
+    back the starts it recorded: the batch goes back unrun."""
     result = Claim()
     expiries: list[Change] = []
     redelivered: list[Job] = []
@@ -107,26 +120,68 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
             first.append(job)
     # Rejected expiries are already final or missing: acknowledged all the same.
     changes = expiries + [
-        Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True) for j in redelivered
+        Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True, returns_old=True)
+        for j in redelivered
     ]
-    rejected = store.apply_many(changes) if changes else set()
-    statuses = store.statuses(j.message.task_id for j in first) if first else {}
+    applied = store.apply_each(changes) if changes else Applied()
+    _note_recorded_starts(redelivered, applied)
+    try:
+        if applied.errored:
+            raise next(iter(applied.errored.values()))
+        statuses = store.statuses(j.message.task_id for j in first) if first else {}
+    except Exception:
+        unclaim(store, redelivered)
+        raise
     for job in redelivered:
-        (result.gone if job.message.task_id in rejected else result.runnable).append(job)
+        (result.gone if job.message.task_id in applied.rejected else result.runnable).append(job)
     for job in first:
         status = statuses.get(job.message.task_id)
         (result.gone if status is None or status.is_terminal else result.runnable).append(job)
     return result
 
 
+def _note_recorded_starts(redelivered: list[Job], applied: Applied) -> None:
+    """Which starts the claim recorded, for unclaim. One whose call failed is
+    not among them: a throttled write did not land, and a start wrongly taken
+    back would let a task that kills its workers run once more than allowed."""
+    for job in redelivered:
+        replaced = applied.replaced.get(job.message.task_id)
+        if replaced is not None:
+            job.start_recorded = True
+            job.started_before = replaced.get("started_at")
+
+
 def unclaim(store: TaskStore, jobs: list[Job]) -> None:
-    """For jobs that did not run after all (the endpoint turned the call away
-    unread): take back the start a redelivery's claim recorded, so that
+    """For jobs that did not run after all, or whose outcome was not recorded
+    (the endpoint turned the call away unread, the worker handed the batch
+    back): take back the start a redelivery's claim recorded, so that
     settling, which counts recorded starts, hands such a task back rather
-    than failing it as one that kept killing its worker."""
-    changes = [Change(j.message.task_id, {}, _QUEUED, add_attempt=-1) for j in jobs if j.attempts > 1]
-    if changes:
-        store.apply_many(changes)  # a rejected one is final already: nothing to take back
+    than failing it as one that kept killing its worker; and put back the
+    started_at it replaced (or remove it, where the claim recorded the first
+    one), so that the task does not show a start that ran nothing.
+
+    Best effort, never raising: its callers are handing messages back, often
+    from a failure or a dying process, and a start not taken back costs one
+    run in settling's count, never a task."""
+    recorded = [j for j in jobs if j.start_recorded]
+    if not recorded:
+        return
+    try:
+        errored = store.apply_each([_take_back(j) for j in recorded]).errored
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        errored = {j.message.task_id: exc for j in recorded}
+    for job in recorded:  # a rejected one is final already: nothing to take back
+        if job.message.task_id not in errored:
+            job.start_recorded = False  # once: a second unclaim of the job changes nothing
+    if errored:
+        log.warning("could not take back the recorded start of %d tasks: %s", len(errored),
+                    _describe(next(iter(errored.values()))))
+
+
+def _take_back(job: Job) -> Change:
+    if job.started_before is None:
+        return Change(job.message.task_id, {}, _QUEUED, add_attempt=-1, remove=("started_at",))
+    return Change(job.message.task_id, {"started_at": job.started_before}, _QUEUED, add_attempt=-1)
 
 
 INPUT_UNAVAILABLE = "input_unavailable"
@@ -212,6 +267,9 @@ class OutcomePlan:
     # Final at once (its inputs cannot be read, or the model refuses them): no
     # delivery could change it, so its message is deleted.
     unrunnable: list[Outcome] = field(default_factory=list)
+    # Taken out of the lists above by record_outcomes: the table did not take
+    # their write (throttled past the SDK's retries, a 5xx, no answer).
+    unwritten: list[Outcome] = field(default_factory=list)
 
     @property
     def expires_at(self) -> int:
@@ -271,10 +329,25 @@ RESULT_NOT_STORED = "result_not_stored"
 
 
 def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> set[str]:
-    """Upload the plan's large results, then write its outcomes. Returns the ids
-    of the tasks whose write was rejected: final already (another delivery
-    finished it, or it was cancelled or expired meanwhile), which stands. A
-    rejected outcome's upload is deleted; it was under its own run's key.
+    """record_outcomes for a caller that answers an outcome the table would
+    not take by having its whole batch delivered again (the dispatcher): every
+    outcome is tried, then the first write that failed, if any, is raised.
+    Returns the ids of the tasks whose write was rejected."""
+    applied = record_outcomes(store, payloads, plan, pool)
+    if applied.errored:
+        raise next(iter(applied.errored.values()))
+    return applied.rejected
+
+
+def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> Applied:
+    """Upload the plan's large results, then write its outcomes, each on its
+    own. Returns what the writes did: `rejected`, the ids of the tasks final
+    already (another delivery finished it, or it was cancelled or expired
+    meanwhile), which stands; `errored`, those whose write failed, whose
+    outcomes are moved to `plan.unwritten`: not recorded, so their tasks go
+    back to their queue as if they had not run. The upload of a rejected
+    outcome is deleted (it was under its own run's key), and that of an
+    unwritten one where its write surely did not land.
 
     Each upload stands alone: a task whose result could not be stored is moved
     in the plan from `succeeded` to `retry` (or `failed` on its last attempt),
@@ -291,14 +364,31 @@ def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, 
     unstored = {u.task_id: why for u, why in zip(plan.uploads, list(pool.map(put, plan.uploads))) if why}
     if unstored:
         _retry_unstored(plan, unstored)
-    rejected = store.apply_many(plan.changes) if plan.changes else set()
-    for upload in plan.uploads:
-        if upload.task_id in rejected:
-            try:
-                payloads.delete(upload.key)
-            except (BotoCoreError, ClientError) as exc:  # the bucket's expiry rule removes it later
-                log.warning("could not delete a dropped result %s: %s", upload.key, type(exc).__name__)
-    return rejected
+    applied = store.apply_each(plan.changes) if plan.changes else Applied()
+    # An unwritten outcome whose write may have landed keeps its object: the
+    # record may name it (the bucket's expiry rule removes it otherwise).
+    _delete_uploads(payloads, [u for u in plan.uploads if u.task_id in applied.rejected or (
+        u.task_id in applied.errored and surely_not_applied(applied.errored[u.task_id]))])
+    if applied.errored:
+        _set_aside_unwritten(plan, applied.errored)
+    return applied
+
+
+def _delete_uploads(payloads: PayloadStore, uploads: list[Upload]) -> None:
+    for upload in uploads:
+        try:
+            payloads.delete(upload.key)
+        except (BotoCoreError, ClientError) as exc:  # the bucket's expiry rule removes it later
+            log.warning("could not delete a dropped result %s: %s", upload.key, type(exc).__name__)
+
+
+def _set_aside_unwritten(plan: OutcomePlan, errored: dict[str, Exception]) -> None:
+    """A plan holds one outcome per task, so a task id names it."""
+    for name in ("succeeded", "retry", "failed", "unrunnable"):
+        outcomes = getattr(plan, name)
+        plan.unwritten += [o for o in outcomes if o.job.message.task_id in errored]
+        setattr(plan, name, [o for o in outcomes if o.job.message.task_id not in errored])
+    plan.uploads = [u for u in plan.uploads if u.task_id not in errored]
 
 
 def _retry_unstored(plan: OutcomePlan, unstored: dict[str, str]) -> None:

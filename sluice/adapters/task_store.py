@@ -10,13 +10,15 @@ independent conditional UpdateItem calls issued in parallel, not one
 TransactWriteItems: no change needs another to succeed, transactions cost twice
 the write capacity on AWS, and moto's implementation copies the whole table on
 every call and restores that copy on failure, reverting concurrent writers.
+So one change's failed call (a throttle past the SDK's retries) is its own:
+apply_each makes every other change all the same and says which failed.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
@@ -57,11 +59,15 @@ def to_item(record: TaskRecord) -> dict[str, Any]:
 
 
 def from_item(item: dict[str, Any]) -> TaskRecord:
-    plain = {k: _de.deserialize(v) for k, v in item.items()}
-    for k, v in plain.items():
-        if hasattr(v, "to_integral_value"):  # Decimal -> int; the record has no floats
-            plain[k] = int(v)
-    return TaskRecord.model_validate(plain)
+    return TaskRecord.model_validate({k: _plain(v) for k, v in item.items()})
+
+
+def _plain(value: dict[str, Any]) -> Any:
+    """One attribute's value as the record holds it."""
+    plain = _de.deserialize(value)
+    if hasattr(plain, "to_integral_value"):  # Decimal -> int; the record has no floats
+        return int(plain)
+    return plain
 
 
 _SETTABLE = frozenset(TaskRecord.model_fields) - {"task_id"}  # the key is never updated
@@ -73,13 +79,17 @@ class Change:
     """One conditional update: set values, optionally add to the attempts
     (True adds one; -1 takes back a start that ran nothing), only from the
     given statuses. Raises ValueError when made against the contract (see the
-    module's docstring): a mistake in the code, never a race."""
+    module's docstring): a mistake in the code, never a race.
+
+    `returns_old`: the values it replaced come back with the same call
+    (Applied.replaced), for a change that may have to be undone."""
 
     task_id: str
     set_values: dict[str, Any]
     allowed_from: tuple[TaskStatus, ...]
     add_attempt: int = 0
     remove: tuple[str, ...] = ()
+    returns_old: bool = False
 
     def __post_init__(self) -> None:
         unknown = (self.set_values.keys() - _SETTABLE) | (set(self.remove) - _REMOVABLE)
@@ -116,7 +126,7 @@ class Change:
             values[f":from{k}"] = {"S": status.value}
             allowed.append(f":from{k}")
         condition = f"#s IN ({', '.join(allowed)})"
-        return {
+        request = {
             "TableName": table,
             "Key": {"task_id": {"S": self.task_id}},
             "UpdateExpression": expr.strip(),
@@ -124,6 +134,37 @@ class Change:
             "ExpressionAttributeNames": names,
             "ExpressionAttributeValues": values,
         }
+        if self.returns_old:
+            request["ReturnValues"] = "UPDATED_OLD"
+        return request
+
+
+@dataclass
+class Applied:
+    """What TaskStore.apply_each did with each change, by task id; a change in
+    none of these was applied."""
+
+    rejected: set[str] = field(default_factory=set)  # its condition failed: the record is left as it was
+    # The call itself failed (throttled past the SDK's retries, a 5xx, no
+    # answer). Whether it landed: see surely_not_applied.
+    errored: dict[str, Exception] = field(default_factory=dict)
+    # For an applied change made with returns_old: the values it replaced (an
+    # attribute that was not set is absent).
+    replaced: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# DynamoDB's answers to a request over the table's or the account's throughput.
+_THROTTLED = frozenset({"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"})
+
+
+def surely_not_applied(exc: Exception) -> bool:
+    """Whether a write that raised surely did not land: DynamoDB throttled it,
+    or answered it with another client error. After a 5xx or no answer at all
+    (a timeout, a reset connection) it may have been applied."""
+    if not isinstance(exc, ClientError):
+        return False
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return _code(exc) in _THROTTLED or (status is not None and status < 500)
 
 
 class TaskStore:
@@ -227,6 +268,7 @@ class TaskStore:
         """One conditional update; returns the new record or raises TransitionRejected."""
         request = change.update(self.table)
         request.pop("TableName")
+        request.pop("ReturnValues", None)  # this call returns the whole new record
         try:
             response = self.ddb.update_item(
                 TableName=self.table,
@@ -243,23 +285,48 @@ class TaskStore:
 
     def apply_many(self, changes: list[Change]) -> set[str]:
         """Apply independent conditional updates; returns the task ids whose
-        condition failed (those are left untouched, the rest are applied)."""
+        condition failed (those are left untouched, the rest are applied).
+        Every change is tried; then the first call that failed, if any, is
+        raised (apply_each reports each change's fate instead)."""
+        applied = self.apply_each(changes)
+        if applied.errored:
+            raise next(iter(applied.errored.values()))
+        return applied.rejected
+
+    def apply_each(self, changes: list[Change]) -> Applied:
+        """Apply independent conditional updates, one call each, in parallel.
+        One change's failed call is its own: every other change is still
+        made, and the result says which ones were rejected or failed."""
         unique = list({c.task_id: c for c in changes}.values())
-
-        def one(change: Change) -> str | None:
-            try:
-                self.ddb.update_item(**change.update(self.table))
-            except ClientError as err:
-                if _code(err) == "ConditionalCheckFailedException":
-                    return change.task_id
-                raise
-            return None
-
         if len(unique) == 1:
-            rejected = [one(unique[0])]
+            results = [self._apply_one(unique[0])]
         else:
-            rejected = list(self._pool.map(one, unique))
-        return {task_id for task_id in rejected if task_id}
+            # _apply_one never raises, so map cancels nothing and each change gets its call.
+            results = list(self._pool.map(self._apply_one, unique))
+        applied = Applied()
+        for change, result in zip(unique, results):
+            if result is _REJECTED:
+                applied.rejected.add(change.task_id)
+            elif isinstance(result, Exception):
+                applied.errored[change.task_id] = result
+            elif change.returns_old:
+                applied.replaced[change.task_id] = {k: _plain(v) for k, v in result.get("Attributes", {}).items()}
+        return applied
+
+    def _apply_one(self, change: Change) -> dict[str, Any] | Exception | object:
+        """The UpdateItem's response, _REJECTED when its condition failed, or
+        the exception its call raised."""
+        try:
+            return self.ddb.update_item(**change.update(self.table))
+        except ClientError as err:
+            if _code(err) == "ConditionalCheckFailedException":
+                return _REJECTED
+            return err
+        except Exception as exc:  # noqa: BLE001 - no answer (a timeout, a reset): this change's fate alone
+            return exc
+
+
+_REJECTED = object()  # _apply_one's answer for a change whose condition failed
 
 
 DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -49,6 +49,9 @@ EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
 # A queue that does not exist, as botocore reports it: the error's Code, and its
 # QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
 QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
+# How long a worker giving up on a stuck batch waits to take back the starts of
+# the batches prepared behind it (one parallel round of UpdateItem calls).
+UNCLAIM_ON_EXIT_S = 5.0
 
 
 def log_level(environ=os.environ) -> str:
@@ -207,8 +210,20 @@ class Worker:
                 with self._held_lock:
                     held = list(self._held.values())
                 self._give_back(held)
+                self._take_back_unrun_starts()
                 self.exit(70)
                 return
+
+    def _take_back_unrun_starts(self) -> None:
+        """The batches prepared behind the stuck one never ran: take back the
+        starts their claims recorded, for dead-letter settling counts them.
+        After the hand-back, so that the messages are back whatever the table
+        does (another worker's claim of them adds its own start, which this
+        does not touch), and for a few seconds at most: the process is ending,
+        and a start not taken back only counts a run too many."""
+        unclaiming = threading.Thread(target=self.pipeline.unclaim_waiting, name="sluice-unclaim", daemon=True)
+        unclaiming.start()
+        unclaiming.join(UNCLAIM_ON_EXIT_S)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

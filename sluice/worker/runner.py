@@ -6,6 +6,12 @@ queue calls of one batch overlap the model's forward pass of the next:
     prepare (one BatchGetItem checking the batch's tasks, inputs from S3 per task)
       -> infer (the model, on the main thread)
       -> finish (S3 for large results, a conditional update per outcome, DeleteMessageBatch)
+
+A batch that goes back without running (a worker stopping hands back the
+batches prepared behind the one in inference; the infer stage fails; its
+preparation fails after the claim) has the starts its claim recorded taken
+back (lifecycle.unclaim), and so has a task whose outcome the table would not
+take: dead-letter settling counts recorded starts as runs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
-from sluice.lifecycle import MODEL_ERROR, Job, Outcome, claim, load_inputs, plan_outcomes, refused, write_outcomes
+from sluice.lifecycle import (
+    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+)
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
@@ -46,6 +54,12 @@ class Prepared:
     ack: list[Received]  # messages to delete whatever happens to the batch
     # Outcomes settled before inference: tasks whose inputs could not be read.
     unreadable: list[Outcome] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> list[Job]:
+        """The jobs whose start the claim may have recorded: what unclaim takes
+        back if the batch goes back unrun (expired and gone ones recorded none)."""
+        return self.jobs + [o.job for o in self.unreadable]
 
 
 class BatchRunner:
@@ -83,10 +97,14 @@ class BatchRunner:
         if unserved:
             self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
 
-        claimed = claim(self.store, list(jobs.values()), now_ms())
+        claimed = claim(self.store, list(jobs.values()), now_ms())  # if it raises, it took back its starts
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
-        # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
-        runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
+        try:
+            # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
+            runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
+        except Exception:  # the batch goes back unrun (Pipeline)
+            unclaim(self.store, claimed.runnable)
+            raise
         return Prepared(runnable, ack, unreadable)
 
     def _hand_back_unserved(self, unserved: dict[str, list[Received]], give_back) -> None:
@@ -165,7 +183,8 @@ class BatchRunner:
         plan = plan_outcomes(outcomes, now, self.settings)
         # A rejected outcome's task is final already: its message is
         # acknowledged whatever this attempt's outcome was.
-        rejected = write_outcomes(self.store, self.payloads, plan, self.io)
+        written = record_outcomes(self.store, self.payloads, plan, self.io)
+        rejected = written.rejected
         settled = plan.succeeded + plan.unrunnable + [
             o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
@@ -173,18 +192,37 @@ class BatchRunner:
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
         to_dlq = [d for o in failed for d in o.job.deliveries]
         to_retry = [d for o in retry for d in o.job.deliveries]
+        unwritten = [d for o in plan.unwritten for d in o.job.deliveries]
         if release:
-            release(done + to_dlq + to_retry)
+            release(done + to_dlq + to_retry + unwritten)
         if done:
             self.queues.delete_many(done)
         if to_dlq:
             # Not deleted: visible at once, its next receive moves it to the DLQ.
             self.queues.change_visibility_many(to_dlq, 0)
         if to_retry:
-            backoff_s = min(30, 2 ** max(o.job.attempts for o in retry))
-            self.queues.change_visibility_many(to_retry, backoff_s)
+            self.queues.change_visibility_many(to_retry, _backoff_s(retry))
+        if plan.unwritten:
+            self._hand_back_unwritten(plan, next(iter(written.errored.values())))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
             self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
+
+    def _hand_back_unwritten(self, plan: OutcomePlan, error: Exception) -> None:
+        """Outcomes the table would not take (throttled past the SDK's retries,
+        a 5xx, no answer): one task's, never its batch's. Not recorded, so the
+        attempt is not counted either: its claim's start is taken back, and its
+        message comes back after a retry's backoff, the table being busy."""
+        log.warning("could not record the outcome of %d tasks (%s), handing them back: %s", len(plan.unwritten),
+                    ", ".join(o.job.message.task_id for o in plan.unwritten), error)
+        unclaim(self.store, [o.job for o in plan.unwritten])
+        hand_back(self.queues, [d for o in plan.unwritten for d in o.job.deliveries], _backoff_s(plan.unwritten))
+        if self.metrics:
+            self.metrics.record_handed_back(len(plan.unwritten))
+
+
+def _backoff_s(outcomes: list[Outcome]) -> int:
+    """How long a failed attempt's message stays hidden: 2^attempt s, at most 30."""
+    return min(30, 2 ** max(o.job.attempts for o in outcomes))
 
 
 def hand_back(queues: PriorityQueues, messages: list[Received], delay_s: int = 0) -> None:
@@ -220,6 +258,10 @@ class Pipeline:
         self.on_broken = on_broken  # told once BROKEN_AFTER batches in a row failed every task
         self.broken = False
         self._failed_in_a_row = 0
+        # Batches prepared and not yet taken for inference, by id(): claimed,
+        # not run. The watchdog takes their starts back (unclaim_waiting).
+        self._waiting: dict[int, Prepared] = {}
+        self._waiting_lock = threading.Lock()
 
     def run(self) -> None:
         preparer = threading.Thread(target=self._prepare_loop, name="sluice-prepare", daemon=True)
@@ -231,9 +273,11 @@ class Pipeline:
             if item is None:
                 break
             batch, prepared = item
+            self._taken(prepared)
             if self.stopping.is_set():
                 # Only the batch in inference finishes within the grace period;
                 # the ones prepared behind it go back rather than run after it.
+                unclaim(self.runner.store, prepared.claimed)
                 self.give_back(batch)
                 continue
             self.inferring_since = time.monotonic()
@@ -241,6 +285,7 @@ class Pipeline:
                 outcomes = self.runner.infer(prepared.jobs)
             except Exception:
                 log.exception("inference stage failed; messages will be redelivered")
+                unclaim(self.runner.store, prepared.claimed)  # no outcome: no run to count
                 self.on_done(batch)
                 continue
             finally:
@@ -280,8 +325,23 @@ class Pipeline:
                 self.stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
+            with self._waiting_lock:
+                self._waiting[id(prepared)] = prepared
             self._prepared.put((batch, prepared))
         self._prepared.put(None)
+
+    def _taken(self, prepared: Prepared) -> None:
+        with self._waiting_lock:
+            self._waiting.pop(id(prepared), None)
+
+    def unclaim_waiting(self) -> None:
+        """Take back the starts recorded by the batches prepared behind the one
+        in inference, for a worker giving up on that one (its watchdog): they
+        never ran. The batch in inference keeps its starts: it is running, and
+        a task that hangs every worker must reach its limit."""
+        with self._waiting_lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        unclaim(self.runner.store, [job for prepared in waiting for job in prepared.claimed])
 
     def _finish_loop(self) -> None:
         while True:
