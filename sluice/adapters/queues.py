@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
@@ -18,6 +19,9 @@ from sluice.settings import Settings
 log = logging.getLogger("sluice.queues")
 
 _SQS_BATCH = 10
+# Visibility changes of many chunks (a worker's heartbeat: ~100 prefetched
+# messages and the batches in hand) run this many at a time.
+_PARALLEL_CHUNKS = 8
 # The two characters valid in a JSON string that SQS refuses in a message body
 # (InvalidMessageContents); lone surrogates never pass the contract.
 _SQS_REFUSED = str.maketrans({"\ufffe": "\\ufffe", "\uffff": "\\uffff"})
@@ -56,6 +60,7 @@ class PriorityQueues:
         self.poller = client("sqs", settings, long_poll=True)
         self._urls: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._chunk_pool: ThreadPoolExecutor | None = None  # made on first use (the API never needs it)
 
     # ------------------------------------------------------------ addressing
     def url(self, priority: Priority) -> str:
@@ -138,31 +143,43 @@ class PriorityQueues:
         self._per_queue(messages, self.sqs.delete_message_batch, {}, "DeleteMessage")
 
     def change_visibility_many(self, messages: list[Received], timeout_s: int) -> None:
+        # In parallel: one after the other, a heartbeat's 30-odd calls against a
+        # slow SQS (each up to ~12 s with the SDK's retries) took minutes, its
+        # last chunks extended after they had lapsed, every release waiting.
         self._per_queue(messages, self.sqs.change_message_visibility_batch, {"VisibilityTimeout": timeout_s},
-                        "ChangeMessageVisibility")
+                        "ChangeMessageVisibility", parallel=True)
 
-    def _per_queue(self, messages: list[Received], call, extra: dict, what: str) -> None:
+    def _per_queue(self, messages: list[Received], call, extra: dict, what: str, parallel: bool = False) -> None:
         """Every chunk is tried: one that fails (after the SDK's retries) must not
         leave the rest unextended or undeleted. Raises the first failure after."""
         by_priority: dict[Priority, list[Received]] = defaultdict(list)
         for m in messages:
             by_priority[m.priority].append(m)
         first_error: Exception | None = None
-        refused: list[str] = []
+        chunks: list[tuple[str, list[Received]]] = []
         for priority, group in by_priority.items():
             try:
                 url = self.url(priority)
             except Exception as exc:
                 first_error = first_error or exc
                 continue
-            for i in range(0, len(group), _SQS_BATCH):
-                chunk = group[i : i + _SQS_BATCH]
-                entries = [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)]
-                try:
-                    answer = call(QueueUrl=url, Entries=entries)
-                except Exception as exc:
-                    first_error = first_error or exc
-                    continue
+            chunks += [(url, group[i : i + _SQS_BATCH]) for i in range(0, len(group), _SQS_BATCH)]
+
+        def attempt(job: tuple[str, list[Received]]) -> tuple[dict | None, Exception | None]:
+            url, chunk = job
+            entries = [{"Id": str(j), "ReceiptHandle": m.receipt_handle, **extra} for j, m in enumerate(chunk)]
+            try:
+                return call(QueueUrl=url, Entries=entries), None
+            except Exception as exc:
+                return None, exc
+
+        answers = (list(self._pool().map(attempt, chunks)) if parallel and len(chunks) > 1
+                   else [attempt(job) for job in chunks])
+        refused: list[str] = []
+        for answer, exc in answers:
+            if exc is not None:
+                first_error = first_error or exc
+            else:
                 refused += [f.get("Code", "?") for f in answer.get("Failed", [])]
         if refused:
             # A handle gone stale (its message was received again elsewhere) is
@@ -171,6 +188,12 @@ class PriorityQueues:
                         ", ".join(sorted(set(refused))))
         if first_error is not None:
             raise first_error
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._chunk_pool is None:
+                self._chunk_pool = ThreadPoolExecutor(_PARALLEL_CHUNKS, thread_name_prefix="sluice-sqs-chunks")
+            return self._chunk_pool
 
     # ----------------------------------------------------------------- depth
     def depth(self, priority: Priority) -> int:

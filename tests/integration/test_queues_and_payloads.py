@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import threading
 import urllib.request
 from urllib.parse import urlsplit
 
@@ -39,7 +40,7 @@ def test_send_receive_delete_per_priority(settings):
 
 
 
-def test_a_failed_chunk_or_entry_does_not_stop_the_others_and_is_logged(settings, caplog):
+def test_a_failed_chunk_or_entry_does_not_stop_the_others_and_is_logged(settings, caplog, monkeypatch):
     # A heartbeat extending 25 messages: the first chunk's call failing must not
     # leave the next 15 to lapse, and entries SQS refuses must not pass unseen.
     queues = PriorityQueues(settings)
@@ -49,21 +50,46 @@ def test_a_failed_chunk_or_entry_does_not_stop_the_others_and_is_logged(settings
     calls = []
     real = queues.sqs.change_message_visibility_batch
 
+    counting = threading.Lock()  # the chunks' calls run in parallel
+
     def first_chunk_fails(**kwargs):
-        calls.append(len(kwargs["Entries"]))
-        if len(calls) == 1:
+        with counting:
+            calls.append(len(kwargs["Entries"]))
+            first = len(calls) == 1
+        if first:
             raise ConnectionError("reset by peer")
         return real(**kwargs)
 
-    queues.sqs.change_message_visibility_batch = first_chunk_fails
+    monkeypatch.setattr(queues.sqs, "change_message_visibility_batch", first_chunk_fails)  # a shared client
     stale = dataclasses.replace(held[-1], receipt_handle="not-a-receipt-handle")
     with pytest.raises(ConnectionError):
         queues.change_visibility_many(held[:-1] + [stale], 0)
-    assert calls == [10, 10, 5]
+    assert sorted(calls) == [5, 10, 10]  # every chunk tried, in parallel (any order)
     assert "1 of 25" in caplog.text and "ChangeMessageVisibility" in caplog.text, caplog.text
     # The later chunks landed: those messages are visible again at once.
     back = drain(queues, Priority.normal, 14)
     assert {m.message_id for m in back} >= {m.message_id for m in held[10:24]}
+
+def test_the_chunks_of_one_visibility_change_run_at_once(settings, monkeypatch):
+    # One after the other, a heartbeat's 30-odd chunks against a slow SQS (each
+    # up to ~12 s with the SDK's retries) took minutes, its last chunks extended
+    # after they had lapsed. Here two chunks must be in flight together: the
+    # first waits for the second at a barrier, which one-by-one calls never reach.
+    queues = PriorityQueues(settings)
+    queues.send_many([message(f"p{i}") for i in range(20)])
+    held = drain(queues, Priority.normal, 20)
+    assert len(held) == 20
+    both_in_flight = threading.Barrier(2, timeout=10)
+    real = queues.sqs.change_message_visibility_batch
+
+    def meets_the_other_chunk(**kwargs):
+        both_in_flight.wait()  # BrokenBarrierError after 10 s if the chunks run one by one
+        return real(**kwargs)
+
+    monkeypatch.setattr(queues.sqs, "change_message_visibility_batch", meets_the_other_chunk)  # a shared client
+    queues.change_visibility_many(held, 0)
+    assert len(drain(queues, Priority.normal, 20)) == 20  # both chunks landed: visible again at once
+
 
 def test_third_failed_receive_moves_a_message_to_the_dlq(settings):
     queues = PriorityQueues(settings)
