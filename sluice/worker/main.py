@@ -82,8 +82,8 @@ class Worker:
         self.queues_missing = False  # run() then returns EXIT_QUEUE_MISSING
         self.queues = PriorityQueues(settings)
         self.policy = WeightedPriorityPolicy(settings.weights())
-        # Prefetch about one batch per priority: enough to keep the model busy,
-        # little enough that a flood of `low` cannot crowd out a later `high`.
+        # Prefetch about one batch (of inputs) per priority: enough to keep the model
+        # busy, little enough that a flood of `low` cannot crowd out a later `high`.
         self.buffer = PrefetchBuffer(capacity_per_priority=max(10, settings.max_batch_size))
         self.metrics = WorkerMetrics(settings=settings)
         self.runner = BatchRunner(settings, models, self.metrics)

@@ -136,3 +136,15 @@ def test_priorities_share_the_models_inputs_whatever_their_tasks_sizes():
             taken[m.priority] += 16 if m.priority is Priority.low else 1
     low_share = taken[Priority.low] / sum(taken.values())
     assert 0.1 <= low_share <= 0.2, taken  # its weight, 1 of 7: 0.14
+
+
+def test_prefetch_stops_at_a_batch_of_inputs_not_of_messages():
+    # 32 messages of 64 inputs were 64 batches held hidden per priority.
+    buffer = PrefetchBuffer(32)
+    buffer.put([message(Priority.low, 10, n=i) for i in range(3)])
+    assert buffer.room(Priority.low) == 29  # 30 inputs held: room for more messages
+    buffer.put([message(Priority.low, 10, n=3)])
+    assert buffer.room(Priority.low) == 0  # 40 inputs: a batch's worth
+    buffer.put([message(Priority.high, 64, n=4)])
+    assert buffer.room(Priority.high) == 0
+    assert buffer.room(Priority.normal) == 32
