@@ -233,6 +233,9 @@ class TaskService:
         )
         return record, self._message_of(record, request)
 
+    def _needs_claim_check(self, message: TaskMessage) -> bool:
+        return len(json.dumps(message.inputs).encode()) > self.settings.inline_payload_max_bytes
+
     def _claim_check(self, record: TaskRecord, message: TaskMessage, stored: bool = False) -> str | None:
         """Large inputs go to S3; the message carries only their key. `stored`:
         they are there already (a record is written only after its inputs).
@@ -292,6 +295,17 @@ class TaskService:
     ) -> TaskAccepted:
         """The submit of an Idempotency-Key: created once, replayed after."""
         record, message = self._build(tenant_id, request, task_id, fingerprint)
+        if self._needs_claim_check(message):
+            # A key reused with another body is refused before its inputs go up:
+            # they would be under a key no record names. (One that races this
+            # read is refused after; its upload is left to the bucket's
+            # lifecycle rule, since a concurrent retry may name the same object.)
+            try:
+                existing = self.store.get(task_id)
+            except (BotoCoreError, ClientError):
+                raise unavailable("the task store") from None
+            if existing is not None and existing.request_hash != record.request_hash:
+                raise idempotency_conflict()
         try:
             uploaded = self._claim_check(record, message)
         except (BotoCoreError, ClientError):
@@ -305,13 +319,9 @@ class TaskService:
             try:
                 self.store.create(record, token)
             except TaskExists as exists:
-                try:
-                    accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
-                except ApiError as refused:
-                    if refused.status == 409:
-                        # Named by the refused body's hash: no record names these inputs.
-                        self._discard_inputs([uploaded])
-                    raise
+                # A 409 here leaves its inputs (see above): a retry with the same
+                # key and body, racing it after the first try's rollback, names them.
+                accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
                 if accepted is not None:
                     return accepted
                 continue
