@@ -30,7 +30,8 @@ class PrefetchBuffer:
     def __init__(self, capacity_per_priority: int):
         # In messages and in inputs alike: 32 messages of 64 inputs each were
         # 64 batches held hidden per priority (handed back, each a receive
-        # spent, when the worker stops), where one was meant.
+        # spent, when the worker stops), where one was meant. The receive that
+        # crosses it may bring up to 10 messages, whatever their sizes.
         self.capacity = capacity_per_priority
         self._queues: dict[Priority, deque[tuple[Received, int]]] = {p: deque() for p in Priority}
         self._cond = threading.Condition()
