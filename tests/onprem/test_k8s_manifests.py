@@ -38,6 +38,8 @@ EKS_ONLY = {
     # worker must use the same. On-prem, bootstrap makes the queues with the worker's own.
     "SLUICE_MAX_ATTEMPTS": None,
     "SLUICE_VISIBILITY_TIMEOUT_S": None,
+    # Sized from the stack's longest_batch_s; on-prem the worker's default stands.
+    "SLUICE_INFERENCE_TIMEOUT_S": None,
 }
 ONPREM_ONLY = {
     # LocalStack forgets its queues when it restarts; a restarted worker recreates them.
@@ -202,6 +204,7 @@ def test_eks_workers_use_the_stacks_max_attempts_visibility_and_grace_period():
     for stack in (SluiceConfig(), SluiceConfig.from_context(_Context())):
         assert int(config["SLUICE_MAX_ATTEMPTS"]) == stack.max_attempts
         assert int(config["SLUICE_VISIBILITY_TIMEOUT_S"]) == stack.visibility_timeout_s
+        assert int(config["SLUICE_INFERENCE_TIMEOUT_S"]) == stack.inference_timeout_s
         pod = eks[("Deployment", "sluice-worker")]["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == stack.termination_grace_s
     # Strings (a ConfigMap's data holds nothing else) that the worker accepts.
