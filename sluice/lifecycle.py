@@ -15,8 +15,10 @@ worker died, a reply was lost), so its start is recorded: a conditional update
 task that keeps killing its worker from one that was only handed back. So a
 claimed task that goes back without running (its batch's preparation failed
 after the claim, a worker stopping hands back the batches prepared behind the
-one in inference, its outcome could not be written) has that start taken back
+one in inference, its outcome's write was throttled) has that start taken back
 (unclaim), with the `started_at` the claim replaced: settling counts starts.
+Only while the record still shows that claim's start: one that another claim
+has replaced since (the messages went back first, or came twice) stands.
 
 Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
@@ -26,7 +28,10 @@ the record names (write_outcomes deletes the loser's). A result that cannot
 be uploaded is its own task's failed attempt (`result_not_stored`), never the
 batch's: the other outcomes are written all the same. So is an outcome the
 table would not take (record_outcomes): not recorded, it is set aside for its
-task to go back to its queue unclaimed, and the rest are written. A failure
+task to go back to its queue, and the rest are written. Its start is taken
+back only where the write was throttled (`throttled`): any other error may
+have landed, or will fail every delivery alike, so the start stands and the
+task reaches max_attempts rather than run for ever. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
 `failed` once the message's receive count reaches max_attempts; that message's
 next receive then moves it to the dead-letter queue. A permanent failure (an
@@ -69,9 +74,11 @@ class Job:
     deliveries: list[Any]
     inputs: list[str] = field(default_factory=list)
     started_at: int | None = None
-    # Set by claim when it recorded this redelivery's start (attempts + 1),
-    # with the started_at that start replaced: what unclaim puts back.
-    start_recorded: bool = False
+    # Set by claim when it recorded this redelivery's start (attempts + 1):
+    # the started_at it wrote (what unclaim's condition looks for; started_at
+    # above moves on to when inference began), and the one it replaced (what
+    # unclaim puts back). None: no start of this job's to take back.
+    recorded_start: int | None = None
     started_before: int | None = None
 
     @property
@@ -124,7 +131,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
         for j in redelivered
     ]
     applied = store.apply_each(changes) if changes else Applied()
-    _note_recorded_starts(redelivered, applied)
+    _note_recorded_starts(redelivered, applied, now)
     try:
         if applied.errored:
             raise next(iter(applied.errored.values()))
@@ -140,14 +147,14 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     return result
 
 
-def _note_recorded_starts(redelivered: list[Job], applied: Applied) -> None:
+def _note_recorded_starts(redelivered: list[Job], applied: Applied, now: int) -> None:
     """Which starts the claim recorded, for unclaim. One whose call failed is
     not among them: a throttled write did not land, and a start wrongly taken
     back would let a task that kills its workers run once more than allowed."""
     for job in redelivered:
         replaced = applied.replaced.get(job.message.task_id)
         if replaced is not None:
-            job.start_recorded = True
+            job.recorded_start = now
             job.started_before = replaced.get("started_at")
 
 
@@ -160,28 +167,55 @@ def unclaim(store: TaskStore, jobs: list[Job]) -> None:
     started_at it replaced (or remove it, where the claim recorded the first
     one), so that the task does not show a start that ran nothing.
 
+    Only while the record still shows this claim's start (its started_at and
+    `queued`): a caller may hand the messages back first, and another claim
+    of the task (another worker's, or a duplicate message's) may have
+    recorded its own start since, which stands. This one's is then left
+    counted too: the attempts cannot be told apart from an outcome's written
+    since (its receive count, exact), and a run counted too many at worst
+    fails a task one delivery early, where one too few could let a task
+    that kills its workers run once more than allowed.
+
     Best effort, never raising: its callers are handing messages back, often
     from a failure or a dying process, and a start not taken back costs one
     run in settling's count, never a task."""
-    recorded = [j for j in jobs if j.start_recorded]
+    recorded = [j for j in jobs if j.recorded_start is not None]
     if not recorded:
         return
     try:
         errored = store.apply_each([_take_back(j) for j in recorded]).errored
     except Exception as exc:  # noqa: BLE001 - see the docstring
         errored = {j.message.task_id: exc for j in recorded}
-    for job in recorded:  # a rejected one is final already: nothing to take back
+    for job in recorded:  # a rejected one is final already, or another claim's: nothing to take back
         if job.message.task_id not in errored:
-            job.start_recorded = False  # once: a second unclaim of the job changes nothing
+            job.recorded_start = None  # once: a second unclaim of the job changes nothing
     if errored:
         log.warning("could not take back the recorded start of %d tasks: %s", len(errored),
                     _describe(next(iter(errored.values()))))
 
 
 def _take_back(job: Job) -> Change:
+    still_ours = {"started_at": job.recorded_start}
     if job.started_before is None:
-        return Change(job.message.task_id, {}, _QUEUED, add_attempt=-1, remove=("started_at",))
-    return Change(job.message.task_id, {"started_at": job.started_before}, _QUEUED, add_attempt=-1)
+        return Change(job.message.task_id, {}, _QUEUED, add_attempt=-1, remove=("started_at",), only_if=still_ours)
+    return Change(job.message.task_id, {"started_at": job.started_before}, _QUEUED, add_attempt=-1,
+                  only_if=still_ours)
+
+
+# DynamoDB's throttles (botocore's standard retry mode reads them as throttling
+# too): the table's or the account's throughput exceeded, the request refused.
+_THROTTLES = frozenset({"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"})
+
+
+def throttled(exc: Exception) -> bool:
+    """Whether an outcome's write failed for a throttle: surely not applied,
+    and a passing state of the table, so its task goes back as if it had not
+    run (unclaim). Any other error keeps the run counted: a 5xx or no answer
+    may have landed (a retry outcome records attempts = the receive count),
+    and another client error (a request the table refuses, a defect) would
+    fail every delivery alike, so the task must reach max_attempts."""
+    return (isinstance(exc, ClientError) and surely_not_applied(exc)
+            and exc.response.get("Error", {}).get("Code") in _THROTTLES)
 
 
 INPUT_UNAVAILABLE = "input_unavailable"
@@ -345,7 +379,7 @@ def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan,
     already (another delivery finished it, or it was cancelled or expired
     meanwhile), which stands; `errored`, those whose write failed, whose
     outcomes are moved to `plan.unwritten`: not recorded, so their tasks go
-    back to their queue as if they had not run. The upload of a rejected
+    back to their queue (as if they had not run where `throttled`). The upload of a rejected
     outcome is deleted (it was under its own run's key), and that of an
     unwritten one where its write surely did not land.
 

@@ -121,13 +121,15 @@ class Dispatcher:
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
         runnable, unreadable = load_inputs(self.payloads, self._claim(jobs), self.pool)
         outcomes, turned_away = self._infer(runnable)
-        self._record(unreadable + outcomes, retry)
         if turned_away:
+            # Before the outcomes: their writes may raise (the whole batch is
+            # then delivered again), and these ran nothing all the same.
             unclaim(self.store, [job for job, _ in turned_away])
             for job, reason in turned_away:
                 self._retry(retry, job, reason)
             if self.metrics:
                 self.metrics.record_handed_back(len(turned_away))
+        self._record(unreadable + outcomes, retry)
         return retry
 
     # ------------------------------------------------------------ claim

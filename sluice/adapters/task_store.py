@@ -82,7 +82,9 @@ class Change:
     module's docstring): a mistake in the code, never a race.
 
     `returns_old`: the values it replaced come back with the same call
-    (Applied.replaced), for a change that may have to be undone."""
+    (Applied.replaced), for a change that may have to be undone.
+    `only_if`: values the record must hold as well (the undoing of a change
+    made only while the record still shows it)."""
 
     task_id: str
     set_values: dict[str, Any]
@@ -90,9 +92,10 @@ class Change:
     add_attempt: int = 0
     remove: tuple[str, ...] = ()
     returns_old: bool = False
+    only_if: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = (self.set_values.keys() - _SETTABLE) | (set(self.remove) - _REMOVABLE)
+        unknown = ((self.set_values.keys() | self.only_if.keys()) - _SETTABLE) | (set(self.remove) - _REMOVABLE)
         if unknown:
             raise ValueError(f"not task record fields that an update may change: {sorted(unknown)}")
         if not self.allowed_from:
@@ -126,6 +129,10 @@ class Change:
             values[f":from{k}"] = {"S": status.value}
             allowed.append(f":from{k}")
         condition = f"#s IN ({', '.join(allowed)})"
+        for n, (attr, value) in enumerate(self.only_if.items()):
+            names[f"#c{n}"] = attr
+            values[f":c{n}"] = _ser.serialize(value)
+            condition += f" AND #c{n} = :c{n}"
         request = {
             "TableName": table,
             "Key": {"task_id": {"S": self.task_id}},

@@ -32,7 +32,7 @@ from sluice.settings import Settings, SettingsError
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.policy import WeightedPriorityPolicy
-from sluice.worker.runner import BatchRunner, Pipeline, hand_back
+from sluice.worker.runner import UNCLAIM_ON_EXIT_S, BatchRunner, Pipeline, hand_back, run_within
 
 log = logging.getLogger("sluice.worker")
 
@@ -49,9 +49,6 @@ EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
 # A queue that does not exist, as botocore reports it: the error's Code, and its
 # QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
 QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
-# How long a worker giving up on a stuck batch waits to take back the starts of
-# the batches prepared behind it (one parallel round of UpdateItem calls).
-UNCLAIM_ON_EXIT_S = 5.0
 
 
 def log_level(environ=os.environ) -> str:
@@ -207,6 +204,12 @@ class Worker:
                 # hangs every worker reaches the DLQ by its receive count.
                 log.error("a batch has been in inference for over %d s (SLUICE_INFERENCE_TIMEOUT_S): handing "
                           "back the messages held and exiting", limit)
+                # Stopped first: no receive, batch or claim after the hand-back
+                # (they would hold messages hidden, spend their receives and
+                # record starts until the visibility timeout, unrun).
+                self.stopping.set()
+                self.pipeline.stopping.set()
+                self.buffer.close()  # its messages are held: handed back below
                 with self._held_lock:
                     held = list(self._held.values())
                 self._give_back(held)
@@ -219,11 +222,9 @@ class Worker:
         starts their claims recorded, for dead-letter settling counts them.
         After the hand-back, so that the messages are back whatever the table
         does (another worker's claim of them adds its own start, which this
-        does not touch), and for a few seconds at most: the process is ending,
-        and a start not taken back only counts a run too many."""
-        unclaiming = threading.Thread(target=self.pipeline.unclaim_waiting, name="sluice-unclaim", daemon=True)
-        unclaiming.start()
-        unclaiming.join(UNCLAIM_ON_EXIT_S)
+        leaves alone: lifecycle.unclaim), and for a few seconds at most: the
+        process is ending, and a start not taken back only counts a run too many."""
+        run_within(UNCLAIM_ON_EXIT_S, self.pipeline.unclaim_waiting)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

@@ -10,8 +10,11 @@ queue calls of one batch overlap the model's forward pass of the next:
 A batch that goes back without running (a worker stopping hands back the
 batches prepared behind the one in inference; the infer stage fails; its
 preparation fails after the claim) has the starts its claim recorded taken
-back (lifecycle.unclaim), and so has a task whose outcome the table would not
-take: dead-letter settling counts recorded starts as runs.
+back (lifecycle.unclaim), and so has a task whose outcome's write the table
+throttled: dead-letter settling counts recorded starts as runs. A stopping
+worker hands the messages back first and gives the take-back a few seconds
+at most (UNCLAIM_ON_EXIT_S): the hand-back is what must land within the
+grace period, and a start not taken back only counts a run too many.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
 from sluice.lifecycle import (
-    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, throttled,
+    unclaim,
 )
 from sluice.settings import Settings
 
@@ -45,7 +49,10 @@ log = logging.getLogger("sluice.worker")
 # batch after batch, is the device or the model: a worker that kept going
 # would spend an attempt of every task in its queues within seconds.
 BROKEN_AFTER = 3
-
+# How long a stopping worker (SIGTERM, or its watchdog giving up on a stuck
+# batch) waits to take back the starts of the batches it hands back unrun:
+# one parallel round of UpdateItem calls, after the hand-back.
+UNCLAIM_ON_EXIT_S = 5.0
 
 
 @dataclass
@@ -203,18 +210,24 @@ class BatchRunner:
         if to_retry:
             self.queues.change_visibility_many(to_retry, _backoff_s(retry))
         if plan.unwritten:
-            self._hand_back_unwritten(plan, next(iter(written.errored.values())))
+            self._hand_back_unwritten(plan, written.errored)
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
             self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
 
-    def _hand_back_unwritten(self, plan: OutcomePlan, error: Exception) -> None:
+    def _hand_back_unwritten(self, plan: OutcomePlan, errored: dict[str, Exception]) -> None:
         """Outcomes the table would not take (throttled past the SDK's retries,
-        a 5xx, no answer): one task's, never its batch's. Not recorded, so the
-        attempt is not counted either: its claim's start is taken back, and its
-        message comes back after a retry's backoff, the table being busy."""
+        a 5xx, no answer, another error): one task's, never its batch's. Its
+        message comes back after a retry's backoff. A throttled write surely
+        did not land and the table will take it later: that attempt is not
+        counted, its claim's start taken back. Any other error keeps the start
+        (lifecycle.throttled): the write may have landed, or every delivery
+        would fail alike, and a task whose starts were always taken back would
+        be requeued by settling for ever; counted, it reaches max_attempts and
+        settling fails it."""
+        error = next(iter(errored.values()))
         log.warning("could not record the outcome of %d tasks (%s), handing them back: %s", len(plan.unwritten),
                     ", ".join(o.job.message.task_id for o in plan.unwritten), error)
-        unclaim(self.store, [o.job for o in plan.unwritten])
+        unclaim(self.store, [o.job for o in plan.unwritten if throttled(errored[o.job.message.task_id])])
         hand_back(self.queues, [d for o in plan.unwritten for d in o.job.deliveries], _backoff_s(plan.unwritten))
         if self.metrics:
             self.metrics.record_handed_back(len(plan.unwritten))
@@ -231,6 +244,20 @@ def hand_back(queues: PriorityQueues, messages: list[Received], delay_s: int = 0
         queues.change_visibility_many(messages, delay_s)
     except Exception as exc:  # they come back after their visibility timeout anyway
         log.warning("could not hand back %d messages: %s", len(messages), type(exc).__name__)
+
+
+def unclaim_within(store: TaskStore, jobs: list[Job]) -> None:
+    """lifecycle.unclaim for a stopping worker: UNCLAIM_ON_EXIT_S at most."""
+    if any(job.recorded_start is not None for job in jobs):
+        run_within(UNCLAIM_ON_EXIT_S, unclaim, store, jobs)
+
+
+def run_within(limit_s: float, work, *args) -> None:
+    """work(*args) on a thread of its own, waited on for limit_s at most; past
+    that it goes on alone (a daemon: it never holds up the process's exit)."""
+    thread = threading.Thread(target=work, args=args, name="sluice-unclaim", daemon=True)
+    thread.start()
+    thread.join(limit_s)
 
 
 def _failure(job: Job, exc: Exception, model_version: str) -> Outcome:
@@ -262,6 +289,8 @@ class Pipeline:
         # not run. The watchdog takes their starts back (unclaim_waiting).
         self._waiting: dict[int, Prepared] = {}
         self._waiting_lock = threading.Lock()
+        self._waiting_changed = threading.Condition(self._waiting_lock)
+        self._preparing = False  # a batch in prepare: its claim may be recording starts
 
     def run(self) -> None:
         preparer = threading.Thread(target=self._prepare_loop, name="sluice-prepare", daemon=True)
@@ -276,9 +305,11 @@ class Pipeline:
             self._taken(prepared)
             if self.stopping.is_set():
                 # Only the batch in inference finishes within the grace period;
-                # the ones prepared behind it go back rather than run after it.
-                unclaim(self.runner.store, prepared.claimed)
+                # the ones prepared behind it go back rather than run after it:
+                # at once, then their starts are taken back (a claim another
+                # worker makes meanwhile keeps its own: lifecycle.unclaim).
                 self.give_back(batch)
+                unclaim_within(self.runner.store, prepared.claimed)
                 continue
             self.inferring_since = time.monotonic()
             try:
@@ -313,6 +344,14 @@ class Pipeline:
             batch = self.take_batch()
             if not batch:
                 continue
+            with self._waiting_lock:
+                # Checked under the lock that unclaim_waiting takes: once it
+                # has seen no batch in prepare, no claim starts after it.
+                self._preparing = not self.stopping.is_set()
+            if not self._preparing:  # stopping since the batch was taken: back unclaimed
+                self.give_back(batch)
+                break
+            prepared = None
             try:
                 prepared = self.runner.prepare(batch, self.give_back)
                 backoff = 0.1
@@ -322,11 +361,16 @@ class Pipeline:
                 log.exception("prepare failed; backing off %.1fs", backoff)
                 self.failures += 1
                 self.on_done(batch)
+            finally:
+                with self._waiting_changed:
+                    if prepared is not None:
+                        self._waiting[id(prepared)] = prepared
+                    self._preparing = False
+                    self._waiting_changed.notify_all()
+            if prepared is None:
                 self.stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            with self._waiting_lock:
-                self._waiting[id(prepared)] = prepared
             self._prepared.put((batch, prepared))
         self._prepared.put(None)
 
@@ -336,10 +380,13 @@ class Pipeline:
 
     def unclaim_waiting(self) -> None:
         """Take back the starts recorded by the batches prepared behind the one
-        in inference, for a worker giving up on that one (its watchdog): they
-        never ran. The batch in inference keeps its starts: it is running, and
-        a task that hangs every worker must reach its limit."""
-        with self._waiting_lock:
+        in inference, for a worker giving up on that one (its watchdog) once
+        `stopping` is set: they never ran. A batch in prepare is waited for,
+        its claim's starts being among them (the caller bounds the wait). The
+        batch in inference keeps its starts: it is running, and a task that
+        hangs every worker must reach its limit."""
+        with self._waiting_changed:
+            self._waiting_changed.wait_for(lambda: not self._preparing)
             waiting, self._waiting = list(self._waiting.values()), {}
         unclaim(self.runner.store, [job for prepared in waiting for job in prepared.claimed])
 

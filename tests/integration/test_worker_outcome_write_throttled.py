@@ -14,10 +14,13 @@ from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.aws import new_client
 from sluice.contract import Priority, now_ms
+from sluice.dlq import dead_counts, settle_dead
 from sluice.lifecycle import Job, Outcome, plan_outcomes, write_outcomes
+from sluice.worker.runner import hand_back
 from tests.integration.test_worker_outcome_failures import receive_again, spy_visibility, task_ids
 from tests.integration.test_worker_runner import run_once
-from tests.integration.test_worker_unrun_hand_backs import receive, redeliver, submit, throttle
+from tests.integration.test_worker_unrun_hand_backs import VISIBILITY_S, receive, redeliver, refuse, submit, throttle
+from tests.reliability.harness import wait_until
 
 
 def spy_deletes(runner) -> list[str]:
@@ -77,6 +80,37 @@ def test_a_throttled_outcome_write_hands_back_its_own_task_and_the_batch_finishe
     record = store.get(throttled)
     assert (record.status.value, record.attempts) == ("succeeded", 3) and result_objects(settings, throttled) == 1
     assert PriorityQueues(settings).receive(Priority.normal, 10, 0, 30) == []
+
+
+@pytest.mark.parametrize(("code", "status"), [("ValidationException", 400), ("InternalServerError", 500)],
+                         ids=["client_error", "server_error"])
+def test_an_outcome_write_that_keeps_failing_unthrottled_ends_in_failed_not_requeued_for_ever(
+        settings, runner, code, status):
+    # Not a throttle: a write that never passes (a request the table refuses,
+    # a defect), or one that may have landed (a 5xx: its outcome's attempts
+    # would be the receive count). The claim's start stands, so the task
+    # reaches max_attempts and settling fails it; were it taken back, each
+    # dead-lettering would requeue it with a fresh receive count, for ever.
+    [task_id] = submit(settings, "never recorded")
+    runner.store = TaskStore(settings, ddb=new_client("dynamodb", settings))  # the hook sees this store's calls only
+    refused = refuse(runner.store, "UpdateItem", task_id, '"succeeded"', code, status)  # its outcome's write only
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    for receive_count in range(1, settings.max_attempts + 1):  # every receive that SQS allows
+        [message] = receive(settings, [task_id])
+        assert message.receive_count == receive_count
+        run_once(runner, [message])  # does not raise
+        hand_back(queues, [message], 0)  # at once, not after the retry's backoff
+    assert refused == [task_id] * settings.max_attempts
+    record = store.get(task_id)
+    # Starts recorded by the claims of the redeliveries, none taken back.
+    assert (record.status.value, record.attempts) == ("queued", settings.max_attempts - 1), record
+    wait_until(lambda: queues.receive(Priority.normal, 10, 1, 30) == [] and dead_counts(queues, [Priority.normal])[0],
+               2 * VISIBILITY_S + 15, "the message dead-lettered")
+
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 1, "requeued": 0}
+    record = store.get(task_id)
+    assert (record.status.value, record.error_code, record.attempts) == (
+        "failed", "dead_lettered", settings.max_attempts)
 
 
 def test_write_outcomes_makes_every_write_before_it_raises_the_one_that_failed(settings):

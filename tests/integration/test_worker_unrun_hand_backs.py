@@ -14,12 +14,14 @@ from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.api.service import TaskService
 from sluice.aws import new_client
-from sluice.contract import Priority, SubmitRequest
+from sluice.contract import Priority, SubmitRequest, now_ms
 from sluice.dlq import dead_counts, settle_dead
+from sluice.lifecycle import Job, claim, unclaim
+from sluice.worker import runner as runner_module
 from sluice.worker.main import Worker
 from sluice.worker.runner import Pipeline, hand_back
 from tests.integration.test_worker_runner import run_once
-from tests.integration.test_worker_stop import GatedModel, held_in_inference, wait_for
+from tests.integration.test_worker_stop import GatedModel, held_in_inference, visible_again, wait_for
 from tests.reliability.harness import wait_until
 
 # Hidden this long by each receive of the test, so that a message the pipeline
@@ -81,9 +83,10 @@ class Stage:
         pass
 
 
-def run_pipeline(runner, batch, breaks=Stage.nothing) -> None:
+def run_pipeline(runner, batch, breaks=Stage.nothing, events: list[str] | None = None) -> None:
     """One Pipeline.run over `batch` alone, the stage `breaks` names broken;
-    it ends once the batch is handed back, released or finished."""
+    it ends once the batch is handed back, released or finished. A hand-back
+    is noted in `events`, if given."""
     queues = PriorityQueues(runner.settings)
     handled = threading.Event()
     batches = [batch]
@@ -100,6 +103,8 @@ def run_pipeline(runner, batch, breaks=Stage.nothing) -> None:
 
     def give_back(messages, delay_s=0):
         hand_back(queues, messages, delay_s)
+        if events is not None:
+            events.append("handed back")
         handled.set()
 
     pipeline = Pipeline(runner, take_batch, on_done, give_back)
@@ -131,18 +136,25 @@ def throttle(store: TaskStore, operation: str, task_id: str, naming: str = "") -
     """The table refuses this store's `operation` calls that name `task_id`
     (and `naming`), as after the SDK's retries (ProvisionedThroughputExceededException);
     returns the task ids of the calls refused."""
+    return refuse(store, operation, task_id, naming, "ProvisionedThroughputExceededException", 400)
+
+
+def refuse(store: TaskStore, operation: str, task_id: str, naming: str, code: str, status: int) -> list[str]:
+    """The table answers this store's `operation` calls that name `task_id`
+    (and `naming`) with the error `code` and HTTP `status`, as after the SDK's
+    retries; returns the task ids of the calls refused."""
     refused = []
 
-    def refuse(params, **_):
+    def refusing(params, **_):
         body = params["body"].decode()
         if task_id not in body or naming not in body:
             return None
         refused.append(task_id)
-        error = {"Code": "ProvisionedThroughputExceededException", "Message": "Rate of requests exceeds capacity"}
-        return (AWSResponse(params["url"], 400, {}, None),
-                {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 400}})
+        error = {"Code": code, "Message": f"refused by the test ({code})"}
+        return (AWSResponse(params["url"], status, {}, None),
+                {"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}})
 
-    store.ddb.meta.events.register(f"before-call.dynamodb.{operation}", refuse)
+    store.ddb.meta.events.register(f"before-call.dynamodb.{operation}", refusing)
     return refused
 
 
@@ -194,7 +206,9 @@ class RecordingGatedModel(GatedModel):
 
 
 def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batches_behind_it(settings):
-    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "inference_timeout_s": 3})
+    # A limit far off, so that every claim lands before it however busy the
+    # machine; once they have, the test ages the stuck batch past it.
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "inference_timeout_s": 60})
     texts = [f"t{i}" for i in range(6)]
     ids = dict(zip(texts, submit(settings, *texts)))
     hand_back(PriorityQueues(settings), receive(settings, list(ids.values())), 0)  # each delivery a redelivery
@@ -204,10 +218,10 @@ def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batche
     worker.exit = exited.append  # stands in for os._exit
     store = TaskStore(settings)
     with held_in_inference(worker, model):
-        # Every task claimed, before the watchdog fires: two batches of two
-        # prepared behind the one held in the model.
-        wait_for(lambda: {r.attempts for r in store.get_many(ids.values()).values()} == {1}, 2.5,
+        # Every task claimed: two batches of two prepared behind the one held in the model.
+        wait_for(lambda: {r.attempts for r in store.get_many(ids.values()).values()} == {1}, 15,
                  "two batches prepared behind the stuck one")
+        worker.pipeline.inferring_since -= settings.inference_timeout_s  # in inference past the limit
         wait_for(lambda: exited, 15, "the worker giving up on the stuck batch")
         assert exited == [70]
         records = store.get_many(ids.values())  # while the model still holds its batch
@@ -215,3 +229,55 @@ def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batche
         assert len(stuck) == 2
         # The stuck batch ran: its starts stand, so a task that hangs every worker reaches its limit.
         assert {t: records[t].attempts for t in ids.values()} == {t: int(t in stuck) for t in ids.values()}
+        # It stopped receiving before its hand-back: every message is visible
+        # again at once, none taken back into the worker's prefetch to stay
+        # hidden until its visibility timeout (30 s) runs out.
+        visible_again(settings, set(ids.values()), "every message visible again after the watchdog's hand-back")
+        assert {t: r.attempts for t, r in store.get_many(ids.values()).items()} == {
+            t: int(t in stuck) for t in ids.values()}  # and none claimed again
+
+
+def test_a_take_back_leaves_alone_the_start_that_another_claim_recorded_since(settings):
+    # The messages were handed back before the starts were taken back (a
+    # stopping worker, its watchdog), or the task was delivered twice: another
+    # claim of it recorded its own start meanwhile, which stands.
+    [task_id] = submit(settings, "claimed twice")
+    [message] = redeliver(settings, receive(settings, [task_id]), [task_id])
+    store = TaskStore(settings)
+    mine, theirs = Job(message.task(), [message]), Job(message.task(), [message])
+    now = now_ms()
+    assert claim(store, [mine], now).runnable == [mine]
+    assert claim(store, [theirs], now + 1000).runnable == [theirs]
+
+    unclaim(store, [mine])
+    record = store.get(task_id)
+    assert (record.attempts, record.started_at) == (2, now + 1000)
+    # Theirs taken back in turn: the record is as after the first claim, whose
+    # start is left counted (a run too many at worst, never one too few).
+    unclaim(store, [theirs])
+    record = store.get(task_id)
+    assert (record.status.value, record.attempts, record.started_at) == ("queued", 1, now)
+
+
+def test_a_stopping_worker_hands_back_first_and_waits_on_the_take_back_a_bounded_time(settings, runner, monkeypatch):
+    monkeypatch.setattr(runner_module, "UNCLAIM_ON_EXIT_S", 0.5, raising=False)
+    [task_id] = submit(settings, "handed back on stop")
+    [message] = redeliver(settings, receive(settings, [task_id]), [task_id])
+    runner.store = TaskStore(settings, ddb=new_client("dynamodb", settings))  # the hook sees this store's calls only
+    events, table_answers = [], threading.Event()
+
+    def slow_take_back(params, **_):
+        if '"-1"' in params["body"].decode():  # ADD attempts -1: the take-back of the claim's start
+            events.append("take-back")
+            assert table_answers.wait(10), "the test never let the take-back through"
+
+    runner.store.ddb.meta.events.register("before-call.dynamodb.UpdateItem", slow_take_back)
+    store = TaskStore(settings)
+    try:
+        run_pipeline(runner, [message], Stage.stop, events)  # returns with the take-back still held
+        assert events[0] == "handed back"
+        assert store.get(task_id).attempts == 1
+        wait_for(lambda: "take-back" in events, 5, "the take-back tried after the hand-back")
+    finally:
+        table_answers.set()
+    wait_for(lambda: store.get(task_id).attempts == 0, 10, "the start taken back once the table answers")

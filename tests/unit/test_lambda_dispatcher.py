@@ -22,7 +22,8 @@ from http.server import BaseHTTPRequestHandler
 
 import boto3
 import pytest
-from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
 
 from cdk import access
 from containers.sagemaker import serve
@@ -31,6 +32,7 @@ from models.synthetic import SyntheticModel
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.api.service import TaskService
+from sluice.aws import new_client
 from sluice.contract import Priority, SubmitRequest, TaskStatus
 from sluice.dlq import settle_dead
 from sluice.settings import Settings
@@ -477,6 +479,39 @@ def test_an_endpoint_whose_model_is_broken_spends_no_attempt(dispatch, settings,
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
     assert len(SageMakerRuntime.calls) == 1  # the container saw the call, and refused it
     assert_untouched(settings, ids)
+
+
+def test_a_call_turned_away_takes_back_its_starts_when_another_task_s_outcome_is_not_written(dispatch, settings):
+    # One call turned away (a model the endpoint does not serve yet), another
+    # answered, and the table would not take that answer's outcome: the whole
+    # batch comes back (write_outcomes raises, the invocation fails). The
+    # turned-away task ran nothing all the same: its claim's start is taken
+    # back, not left to count as a run in settling.
+    api = settings.model_copy(update={"models": "synthetic,minilm-embed"})
+    (unserved,) = submit(settings, {"model": "minilm-embed", "inputs": ["x"]}, service_settings=api)
+    (ran,) = submit(settings, {"model": "synthetic", "inputs": ["y"]})
+    d = dispatch.module.dispatcher()
+    d.store = TaskStore(d.settings, ddb=new_client("dynamodb", d.settings))  # the hook sees this store's calls only
+
+    def refuse_the_outcome(params, **_):
+        body = params["body"].decode()
+        if ran in body and '"succeeded"' in body:
+            error = {"Code": "ProvisionedThroughputExceededException", "Message": "Rate of requests exceeds capacity"}
+            return (AWSResponse(params["url"], 400, {}, None),
+                    {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 400}})
+        return None
+
+    d.store.ddb.meta.events.register("before-call.dynamodb.UpdateItem", refuse_the_outcome)
+    event = sqs_event(settings, 2, receive_count=2)  # redeliveries: each claim records a start
+    SageMakerRuntime.calls.clear()
+    with pytest.raises(ClientError):
+        dispatch(event)
+    assert sorted(call["model"] for call in SageMakerRuntime.calls) == ["minilm-embed", "synthetic"]
+    record = TaskStore(settings).get(unserved)
+    assert (record.status, record.attempts, record.started_at, record.error_code) == (TaskStatus.queued, 0, None, None)
+    # The other ran: its start stands, to be counted if its outcome is never written.
+    record = TaskStore(settings).get(ran)
+    assert (record.status, record.attempts) == (TaskStatus.queued, 1)
 
 
 @pytest.mark.parametrize(("status", "code"), [
