@@ -275,23 +275,15 @@ def test_a_wait_that_is_not_a_finite_number_says_so(api, value):
     assert detail["field"] == "query.wait_s" and detail["rule"].startswith("finite_number"), detail
 
 
-def test_a_long_poll_that_times_out_answers_the_task_s_current_state(api, settings, monkeypatch):
+def test_a_long_poll_that_times_out_answers_the_task_s_current_state(api, settings, entered_waiters):
     # A retry's error and attempt, recorded while the GET waits, are in its answer.
     import threading
 
-    from sluice.api.waiter import CompletionWaiter
     from sluice.contract import TaskStatus, now_ms
     from tests.reliability.harness import wait_until
 
     task_id = submit(api, api.key_a).json()["task_id"]
-    waiters = []
-    real_wait = CompletionWaiter.wait
-
-    async def spied_wait(self, task_id, timeout_s):
-        waiters.append(self)
-        return await real_wait(self, task_id, timeout_s)
-
-    monkeypatch.setattr(CompletionWaiter, "wait", spied_wait)
+    waiters = entered_waiters
     answered = []
     waiting = threading.Thread(target=lambda: answered.append(api.get(
         f"/v1/tasks/{task_id}?wait_s=6", headers={"x-api-key": api.key_a})), daemon=True)  # room on a busy CI

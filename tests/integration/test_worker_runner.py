@@ -259,10 +259,8 @@ class _Raw:
         yield self.body
 
 
-def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner, monkeypatch):
+def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner, entered_waiters):
     import threading
-
-    from sluice.api.waiter import CompletionWaiter
 
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["wait for me"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
@@ -273,14 +271,7 @@ def test_long_poll_returns_as_soon_as_the_task_is_final(api, settings, runner, m
     # The app's waiter, as its next wait() shows it: the GET must be parked
     # there, waiting for an outcome, before the worker writes one. (A GET whose
     # first look came after the outcome would pass with the long poll broken.)
-    waiters = []
-    real_wait = CompletionWaiter.wait
-
-    async def spied_wait(self, task_id, timeout_s):
-        waiters.append(self)
-        return await real_wait(self, task_id, timeout_s)
-
-    monkeypatch.setattr(CompletionWaiter, "wait", spied_wait)
+    waiters = entered_waiters
 
     def parked() -> bool:
         return bool(waiters) and any(not w.any_state for w in list(waiters[-1]._waiting.get(task_id, [])))
