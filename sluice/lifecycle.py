@@ -29,7 +29,7 @@ be uploaded is its own task's failed attempt (`result_not_stored`), never the
 batch's: the other outcomes are written all the same. So is an outcome the
 table would not take (record_outcomes): not recorded, it is set aside for its
 task to go back to its queue, and the rest are written. Its start is taken
-back only where the write was throttled (`throttled`): any other error may
+back only where the write was throttled (`task_store.throttled`): any other error may
 have landed, or will fail every delivery alike, so the start stands and the
 task reaches max_attempts rather than run for ever. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
@@ -202,22 +202,6 @@ def _take_back(job: Job) -> Change:
                   only_if=still_ours)
 
 
-# DynamoDB's throttles (botocore's standard retry mode reads them as throttling
-# too): the table's or the account's throughput exceeded, the request refused.
-_THROTTLES = frozenset({"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"})
-
-
-def throttled(exc: Exception) -> bool:
-    """Whether an outcome's write failed for a throttle: surely not applied,
-    and a passing state of the table, so its task goes back as if it had not
-    run (unclaim). Any other error keeps the run counted: a 5xx or no answer
-    may have landed (a retry outcome records attempts = the receive count),
-    and another client error (a request the table refuses, a defect) would
-    fail every delivery alike, so the task must reach max_attempts."""
-    return (isinstance(exc, ClientError) and surely_not_applied(exc)
-            and exc.response.get("Error", {}).get("Code") in _THROTTLES)
-
-
 INPUT_UNAVAILABLE = "input_unavailable"
 INVALID_INPUT = "invalid_input"  # the model refuses the input (models.base.ModelInputError)
 _MISSING = {"NoSuchKey", "NotFound", "404"}
@@ -379,7 +363,7 @@ def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan,
     already (another delivery finished it, or it was cancelled or expired
     meanwhile), which stands; `errored`, those whose write failed, whose
     outcomes are moved to `plan.unwritten`: not recorded, so their tasks go
-    back to their queue (as if they had not run where `throttled`). The upload of a rejected
+    back to their queue (as if they had not run where `task_store.throttled`). The upload of a rejected
     outcome is deleted (it was under its own run's key), and that of an
     unwritten one where its write surely did not land.
 

@@ -164,6 +164,12 @@ class Applied:
 _THROTTLED = frozenset({"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"})
 
 
+def throttled(exc: Exception) -> bool:
+    """Whether DynamoDB refused the request for throughput (botocore's standard
+    retry mode reads these codes as throttling too): it surely did not land."""
+    return isinstance(exc, ClientError) and _code(exc) in _THROTTLED
+
+
 def surely_not_applied(exc: Exception) -> bool:
     """Whether a write that raised surely did not land: DynamoDB throttled it,
     or answered it with another client error. After a 5xx or no answer at all
@@ -171,7 +177,7 @@ def surely_not_applied(exc: Exception) -> bool:
     if not isinstance(exc, ClientError):
         return False
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return _code(exc) in _THROTTLED or (status is not None and status < 500)
+    return throttled(exc) or (status is not None and status < 500)
 
 
 class TaskStore:

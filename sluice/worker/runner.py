@@ -33,12 +33,11 @@ from pydantic import ValidationError
 from models.base import ModelInputError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
-from sluice.adapters.task_store import TaskStore
+from sluice.adapters.task_store import TaskStore, throttled
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
 from sluice.lifecycle import (
-    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, throttled,
-    unclaim,
+    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
 )
 from sluice.settings import Settings
 
@@ -219,8 +218,9 @@ class BatchRunner:
         a 5xx, no answer, another error): one task's, never its batch's. Its
         message comes back after a retry's backoff. A throttled write surely
         did not land and the table will take it later: that attempt is not
-        counted, its claim's start taken back. Any other error keeps the start
-        (lifecycle.throttled): the write may have landed, or every delivery
+        counted, its claim's start taken back (task_store.throttled). Any other
+        error keeps the start: a 5xx or no answer may have landed (a retry
+        outcome records attempts = the receive count), or every delivery
         would fail alike, and a task whose starts were always taken back would
         be requeued by settling for ever; counted, it reaches max_attempts and
         settling fails it."""
@@ -288,8 +288,7 @@ class Pipeline:
         # Batches prepared and not yet taken for inference, by id(): claimed,
         # not run. The watchdog takes their starts back (unclaim_waiting).
         self._waiting: dict[int, Prepared] = {}
-        self._waiting_lock = threading.Lock()
-        self._waiting_changed = threading.Condition(self._waiting_lock)
+        self._waiting_changed = threading.Condition()  # guards _waiting and _preparing
         self._preparing = False  # a batch in prepare: its claim may be recording starts
 
     def run(self) -> None:
@@ -344,7 +343,7 @@ class Pipeline:
             batch = self.take_batch()
             if not batch:
                 continue
-            with self._waiting_lock:
+            with self._waiting_changed:
                 # Checked under the lock that unclaim_waiting takes: once it
                 # has seen no batch in prepare, no claim starts after it.
                 self._preparing = not self.stopping.is_set()
@@ -375,7 +374,7 @@ class Pipeline:
         self._prepared.put(None)
 
     def _taken(self, prepared: Prepared) -> None:
-        with self._waiting_lock:
+        with self._waiting_changed:
             self._waiting.pop(id(prepared), None)
 
     def unclaim_waiting(self) -> None:
