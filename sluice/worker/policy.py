@@ -28,22 +28,20 @@ class WeightedPriorityPolicy:
         takes (its inputs), charged to the one chosen."""
         if not ready:
             raise ValueError("no priority has work")
-        for p in ready:
-            self._current[p] += self.weights[p]
+        # The round's winner: the most credit once each has gained its weight.
         # Ties go to the higher priority (Priority is declared high -> low).
-        chosen = max(ready, key=lambda p: (self._current[p], -list(Priority).index(p)))
-        self._charge(chosen, ready, max(1, cost(chosen)), first_turn_added=True)
+        chosen = max(ready, key=lambda p: (self._current[p] + self.weights[p], -list(Priority).index(p)))
+        self._charge(chosen, ready, max(1, cost(chosen)))
         return chosen
 
     def refund(self, chosen: Priority, ready: list[Priority], turns: int = 1) -> None:
         """Undo the pick(ready) that chose `chosen` at `turns`: its turn was not used."""
-        self._charge(chosen, ready, -turns, first_turn_added=False)
+        self._charge(chosen, ready, -turns)
 
-    def _charge(self, chosen: Priority, ready: list[Priority], turns: int, first_turn_added: bool) -> None:
+    def _charge(self, chosen: Priority, ready: list[Priority], turns: int) -> None:
         # `turns` rounds of smooth round-robin, all won by `chosen`: every ready
         # priority gains its weight each round, the winner pays the round's total.
-        # (pick has added the first round's weights already.)
         total = sum(self.weights[p] for p in ready)
         for p in ready:
-            self._current[p] += (turns - 1 if first_turn_added else turns) * self.weights[p]
+            self._current[p] += turns * self.weights[p]
         self._current[chosen] -= turns * total
