@@ -291,21 +291,18 @@ class TaskService:
         return self._submit_once(tenant_id, request, idempotent_task_id(tenant_id, idempotency_key), None, depth)
 
     def _submit_once(
-        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None, depth: int
+        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None, depth: int,
+        key_checked: bool = False,
     ) -> TaskAccepted:
-        """The submit of an Idempotency-Key: created once, replayed after."""
+        """The submit of an Idempotency-Key: created once, replayed after.
+        `key_checked`: its record was read already (a batch reads all of its own)."""
         record, message = self._build(tenant_id, request, task_id, fingerprint)
-        if self._needs_claim_check(message):
+        if not key_checked and self._needs_claim_check(message):
             # A key reused with another body is refused before its inputs go up:
             # they would be under a key no record names. (One that races this
             # read is refused after; its upload is left to the bucket's
             # lifecycle rule, since a concurrent retry may name the same object.)
-            try:
-                existing = self.store.get(task_id)
-            except (BotoCoreError, ClientError):
-                raise unavailable("the task store") from None
-            if existing is not None and existing.request_hash != record.request_hash:
-                raise idempotency_conflict()
+            self._refuse_reused_key(self._read_records([task_id]), [(task_id, record.request_hash)])
         try:
             uploaded = self._claim_check(record, message)
         except (BotoCoreError, ClientError):
@@ -499,7 +496,8 @@ class TaskService:
             self._refuse_reused_key(self._read_records([task_id for task_id, _ in tasks]), tasks)
             return BatchAccepted(
                 tasks=[
-                    self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority])
+                    self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority],
+                                      key_checked=True)
                     for request, (task_id, fingerprint) in zip(batch.tasks, tasks)
                 ]
             )
