@@ -12,12 +12,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 from bench.common import RESULTS, Http, closed_loop, cpu_s, log, save, sentence, stack
 from bench.e2e import LONG_POLL_S
+from bench.worker import py_spy
 
 def stages(seen: list[tuple[dict, float]]) -> dict[str, float]:
     """Where a request's latency goes, from its task's timings: created ->
@@ -67,11 +66,13 @@ def main() -> None:
         spies = []
         if a.py_spy:
             RESULTS.mkdir(parents=True, exist_ok=True)
-            spy = Path(sys.executable).with_name("py-spy")
+            spy = py_spy()
+            if spy is None:
+                raise SystemExit("bench.profile --py-spy: no py-spy beside the interpreter or on PATH (make install)")
             for name, pid in pids.items():
                 if name != "load generator":
                     spies.append(subprocess.Popen(
-                        [str(spy), "record", "-p", str(pid), "-d", "15", "-r", "100", "-f", "raw", "-t",
+                        [spy, "record", "-p", str(pid), "-d", "15", "-r", "100", "-f", "raw", "-t",
                          "-o", str(RESULTS / f"profile-{name}.txt")], stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL))
         t0 = time.monotonic()
