@@ -14,6 +14,12 @@ two, so two concurrent conditional writes to one task could both pass
 could see an item half updated. DynamoDB makes each single-item write atomic,
 and Sluice's exactly-once outcome rests on that, so the emulator must too.
 moto's DynamoDB is pure Python under the GIL: one lock costs it little.
+
+A queue's receives likewise go one pass at a time. moto checks that a message
+is visible and then marks it received, with no lock between, so two receivers
+could both take one message (the SQS API hides it from every other receiver
+once handed out): its task then ran twice, its attempts counting the second
+receive. The long poll's waiting stays outside the lock.
 `python -m onprem.moto_server -H 127.0.0.1 -p PORT`
 """
 
@@ -23,8 +29,10 @@ import argparse
 import signal
 import sys
 import threading
+import time
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from moto.sqs.models import SQSBackend
 from werkzeug.serving import run_simple
 
 
@@ -50,12 +58,33 @@ class AtomicDynamoDB:
             return list(self.app(environ, start_response))
 
 
+def atomic_receives() -> None:
+    """Each pass over a queue's messages (find the visible ones, mark them
+    received) under one lock; between passes a long poll waits unlocked."""
+    one_pass = SQSBackend.receive_message
+    lock = threading.Lock()
+
+    def receive_message(self, queue_name, count, wait_seconds_timeout, visibility_timeout,
+                        message_attribute_names=None):
+        deadline = time.monotonic() + (wait_seconds_timeout or 0)
+        while True:
+            with lock:  # a wait of 0: one pass, no waiting inside the lock
+                received = one_pass(self, queue_name, count, 0, visibility_timeout, message_attribute_names)
+            left = deadline - time.monotonic()
+            if received or left <= 0:
+                return received
+            self.get_queue(queue_name).wait_for_messages(min(1.0, left))
+
+    SQSBackend.receive_message = receive_message
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, default=5000)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    atomic_receives()
     run_simple(args.host, args.port, AtomicDynamoDB(DomainDispatcherApplication(create_backend_app)), threaded=True,
                request_handler=QuietHandler)
 
