@@ -66,14 +66,17 @@ def atomic_receives() -> None:
 
     def receive_message(self, queue_name, count, wait_seconds_timeout, visibility_timeout,
                         message_attribute_names=None):
-        deadline = time.monotonic() + (wait_seconds_timeout or 0)
+        # moto's own loop, but for the lock: a pass, then (while nothing was
+        # found) a wait of up to a second, and no pass once the poll's time is up.
+        polling_end = time.monotonic() + (wait_seconds_timeout or 0)
         while True:
             with lock:  # a wait of 0: one pass, no waiting inside the lock
                 received = one_pass(self, queue_name, count, 0, visibility_timeout, message_attribute_names)
-            left = deadline - time.monotonic()
-            if received or left <= 0:
+            if received or not wait_seconds_timeout:
                 return received
-            self.get_queue(queue_name).wait_for_messages(min(1.0, left))
+            self.get_queue(queue_name).wait_for_messages(1)
+            if time.monotonic() > polling_end:
+                return received
 
     SQSBackend.receive_message = receive_message
 
