@@ -1,7 +1,8 @@
 """The worker process: receivers -> prefetch buffer -> batch pipeline.
 
-On SIGTERM it stops receiving, hands back at once the messages it had
-prefetched (visibility 0), finishes the batch in inference and exits 0. It
+On SIGTERM it stops receiving, hands back the messages it had prefetched
+(visibility 0) once its receives in flight have returned, finishes the batch
+in inference and exits 0. It
 stops the same way, exiting 1, once the model fails every task of several
 batches in a row (sluice.worker.runner.BROKEN_AFTER), and exiting
 EXIT_QUEUE_MISSING (75) once a queue it receives from has not existed for
@@ -87,6 +88,7 @@ class Worker:
         self.stopping = threading.Event()
         self._done = threading.Event()
         self._held: dict[str, Received] = {}
+        self._receivers: dict[Priority, threading.Thread] = {}
         self._held_lock = threading.Lock()
         # Held by the heartbeat across its extension call, and taken by every
         # release: once a batch's messages are released, no extension of them
@@ -164,8 +166,21 @@ class Worker:
     def _give_back(self, messages: list[Received], delay_s: int = 0) -> None:
         if not messages:
             return
+        if self.stopping.is_set():
+            self._wait_for_receives({m.priority for m in messages})
         self._release(messages)  # first, so that no extension lands after the hand-back
         hand_back(self.queues, messages, delay_s)
+
+    def _wait_for_receives(self, priorities: set[Priority]) -> None:
+        """A stopping worker hands messages back only once the receive in flight
+        on their queue has returned (within the long poll's wait): SQS answers
+        a long poll the moment a message is visible, so a poll still open would
+        take them straight back, and spend a receive of each on the way to the
+        DLQ. A receiver handing back what its own last poll brought has ended it."""
+        for priority in priorities:
+            receiver = self._receivers.get(priority)
+            if receiver is not None and receiver is not threading.current_thread():
+                receiver.join(self.settings.receive_wait_s + 5)
 
     # ----------------------------------------------------------- heartbeat
     @property
@@ -228,10 +243,11 @@ class Worker:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
-        receivers = [
-            threading.Thread(target=self._receive_loop, args=(p,), name=f"sluice-recv-{p.value}", daemon=True)
+        self._receivers = {
+            p: threading.Thread(target=self._receive_loop, args=(p,), name=f"sluice-recv-{p.value}", daemon=True)
             for p in Priority
-        ]
+        }
+        receivers = list(self._receivers.values())
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="sluice-heartbeat", daemon=True)
         watchdog = threading.Thread(target=self._watchdog_loop, name="sluice-watchdog", daemon=True)
         # Gives an outcome to tasks whose message was dead-lettered without one (sluice/dlq.py).

@@ -111,6 +111,30 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
         assert model.inferring.is_set() and not model.go.is_set()
 
 
+def test_stopping_hands_back_what_it_held_without_spending_a_receive_of_it(settings):
+    # A receive still polling when messages go back would take them straight
+    # back (SQS answers a long poll the moment a message is visible), then hand
+    # them back again: a receive of each spent, on the way to the DLQ.
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "receive_wait_s": 10})
+    ids = submit(settings, 8)
+    model = GatedModel()
+    worker = Worker(settings, {"synthetic": model})
+    with held_in_inference(worker, model):
+        wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
+                 "batches prepared behind the model and two tasks left in the buffer")
+        with worker._held_lock:
+            received = {m.task().task_id: m.receive_count for m in worker._held.values()}
+        worker.stop()
+    assert set(received) == set(ids)
+    done = {t for t, r in TaskStore(settings).get_many(ids).items() if r.status == TaskStatus.succeeded}
+    # The worker has ended: only this test receives now.
+    queues, seen = PriorityQueues(settings), {}
+    wait_for(lambda: seen.update({m.task().task_id: m.receive_count for m in queues.receive(Priority.normal, 10, 1, 30)})
+             or set(ids) - done <= set(seen), 10, "the six tasks handed back visible again")
+    assert len(done) == 2 and set(seen) == set(ids) - done
+    assert seen == {t: received[t] + 1 for t in seen}  # the worker's receive, then this test's
+
+
 def test_a_batch_stuck_in_inference_ends_the_worker_and_every_message_it_held_comes_back(settings):
     # A hung GPU kernel: the heartbeat would keep the batch, and the batches and
     # messages behind it, hidden for as long as the process lived.
