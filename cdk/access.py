@@ -34,7 +34,7 @@ API_QUEUES = ["sqs:SendMessage", "sqs:GetQueueAttributes"]
 WORKER_TASKS = ["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:UpdateItem"]
 # Objects by prefix (sluice.contract): workers read inputs/ and write results/;
 # a run whose outcome lost the conditional write deletes the result it uploaded
-# under its own key (sluice.lifecycle.write_outcomes).
+# under its own key (sluice.lifecycle.record_outcomes).
 WORKER_INPUTS = ["s3:GetObject"]
 WORKER_RESULTS = ["s3:PutObject", "s3:DeleteObject"]
 WORKER_OBJECTS = WORKER_INPUTS + WORKER_RESULTS  # whatever the prefix

@@ -24,7 +24,7 @@ Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
 dropped). Results go inline when small and through S3 when large, under a key
 of their own run's, so a run that loses the write never replaces the object
-the record names (write_outcomes deletes the loser's). A result that cannot
+the record names (record_outcomes deletes the loser's). A result that cannot
 be uploaded is its own task's failed attempt (`result_not_stored`), never the
 batch's: the other outcomes are written all the same. So is an outcome the
 table would not take (record_outcomes): not recorded, it is set aside for its
@@ -344,17 +344,6 @@ def _plan_error(plan: OutcomePlan, o: Outcome) -> None:
 
 
 RESULT_NOT_STORED = "result_not_stored"
-
-
-def write_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> set[str]:
-    """record_outcomes for a caller that answers an outcome the table would
-    not take by having its whole batch delivered again (the dispatcher): every
-    outcome is tried, then the first write that failed, if any, is raised.
-    Returns the ids of the tasks whose write was rejected."""
-    applied = record_outcomes(store, payloads, plan, pool)
-    if applied.errored:
-        raise next(iter(applied.errored.values()))
-    return applied.rejected
 
 
 def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan, pool: Executor) -> Applied:

@@ -42,7 +42,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import TaskStore
+from sluice.adapters.task_store import TaskStore, throttled
 from sluice.contract import (
     MAX_INPUTS_PER_CALL,
     MAX_TASKS_PER_CALL,
@@ -54,7 +54,7 @@ from sluice.contract import (
     now_ms,
 )
 from sluice.lifecycle import (
-    INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, refused, unclaim, write_outcomes,
+    INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
 )
 from sluice.settings import Settings
 
@@ -122,8 +122,7 @@ class Dispatcher:
         runnable, unreadable = load_inputs(self.payloads, self._claim(jobs), self.pool)
         outcomes, turned_away = self._infer(runnable)
         if turned_away:
-            # Before the outcomes: their writes may raise (the whole batch is
-            # then delivered again), and these ran nothing all the same.
+            # These ran nothing, whatever the outcomes' writes do.
             unclaim(self.store, [job for job, _ in turned_away])
             for job, reason in turned_away:
                 self._retry(retry, job, reason)
@@ -242,13 +241,27 @@ class Dispatcher:
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
         # A rejected outcome's task is final already: its message is simply acknowledged.
-        rejected = write_outcomes(self.store, self.payloads, plan, self.pool)
+        written = record_outcomes(self.store, self.payloads, plan, self.pool)
+        rejected = written.rejected
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
         # plan.unrunnable (inputs unreadable or refused by the model) is final at once: acknowledged.
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
+        if plan.unwritten:
+            # Outcomes the table would not take: each its own task's, never the
+            # batch's, whose written outcomes stand. A throttled write surely
+            # did not land: its start is taken back, as if it had not run (any
+            # other error may have landed, and keeps it: lifecycle.record_outcomes).
+            errored = written.errored
+            log.warning("could not record the outcome of %d tasks, sending them back: %s", len(plan.unwritten),
+                        _describe(next(iter(errored.values()))))
+            unclaim(self.store, [o.job for o in plan.unwritten if throttled(errored[o.job.message.task_id])])
+            for o in plan.unwritten:
+                self._retry(retry, o.job, f"outcome not recorded: {_describe(errored[o.job.message.task_id])}")
+            if self.metrics:
+                self.metrics.record_handed_back(len(plan.unwritten))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
             self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
 

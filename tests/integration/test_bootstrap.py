@@ -18,7 +18,7 @@ from sluice.adapters.task_store import TaskStore
 from sluice.api.app import create_app
 from sluice.bootstrap import ensure_bucket, ensure_queues, ensure_resources
 from sluice.contract import MAX_DEADLINE_S, Priority, TaskMessage, now_ms
-from sluice.lifecycle import Job, Outcome, plan_outcomes, write_outcomes
+from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.settings import Settings, SettingsError
 
 # The ceilings of SLUICE_INLINE_PAYLOAD_MAX_BYTES and SLUICE_INLINE_RESULT_MAX_BYTES (sluice/settings.py).
@@ -178,7 +178,8 @@ def test_a_result_at_the_inline_ceiling_fits_its_record_beside_the_largest_metad
     plan = plan_outcomes([Outcome(Job(delivery.task(), [delivery]), result=result)], now_ms(), at_ceiling)
     assert not plan.uploads  # inline, at the ceiling exactly
     with ThreadPoolExecutor(2) as pool:
-        assert write_outcomes(TaskStore(settings), PayloadStore(settings), plan, pool) == set()
+        applied = record_outcomes(TaskStore(settings), PayloadStore(settings), plan, pool)
+    assert not applied.rejected and not applied.errored
     record = TaskStore(settings).get(task_id)
     assert record.status.value == "succeeded" and len(record.result_json.encode()) == INLINE_RESULT_LIMIT_BYTES
     assert record.metadata == metadata

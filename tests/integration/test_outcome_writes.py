@@ -8,7 +8,7 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import RESULTS_PREFIX, Priority, now_ms
-from sluice.lifecycle import Job, Outcome, plan_outcomes, write_outcomes
+from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from tests.reliability.harness import wait_until
 
 
@@ -26,7 +26,9 @@ def test_a_run_that_loses_the_outcome_write_leaves_the_winners_result(api, setti
         for run in ("winner", "loser"):
             job = Job(delivery.task(), [delivery])
             plan = plan_outcomes([Outcome(job, result={"run": run})], now_ms(), to_s3)
-            rejected.append(write_outcomes(store, payloads, plan, pool))
+            applied = record_outcomes(store, payloads, plan, pool)
+            assert not applied.errored
+            rejected.append(applied.rejected)
     assert rejected == [set(), {task_id}]
     record = store.get(task_id)
     assert record.status.value == "succeeded"

@@ -15,7 +15,7 @@ from sluice.adapters.task_store import TaskStore
 from sluice.aws import new_client
 from sluice.contract import Priority, now_ms
 from sluice.dlq import dead_counts, settle_dead
-from sluice.lifecycle import Job, Outcome, plan_outcomes, write_outcomes
+from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.worker.runner import hand_back
 from tests.integration.test_worker_outcome_failures import receive_again, spy_visibility, task_ids
 from tests.integration.test_worker_runner import run_once
@@ -113,18 +113,19 @@ def test_an_outcome_write_that_keeps_failing_unthrottled_ends_in_failed_not_requ
         "failed", "dead_lettered", settings.max_attempts)
 
 
-def test_write_outcomes_makes_every_write_before_it_raises_the_one_that_failed(settings):
-    # The dispatcher's way: a batch with an unwritten outcome is delivered again as a whole.
+def test_record_outcomes_makes_every_write_and_sets_aside_the_one_that_failed(settings):
     throttled, *others = submit(settings, "throttled", "ok 1", "ok 2")
     messages = receive(settings, [throttled, *others])
     store = TaskStore(settings, ddb=new_client("dynamodb", settings))
     throttle(store, "UpdateItem", throttled)
     now = now_ms()
     plan = plan_outcomes([Outcome(Job(m.task(), [m]), result={"ok": True}) for m in messages], now, settings)
-    with ThreadPoolExecutor(4) as pool, pytest.raises(ClientError) as raised:
-        write_outcomes(store, PayloadStore(settings), plan, pool)
-    assert raised.value.response["Error"]["Code"] == "ProvisionedThroughputExceededException"
+    with ThreadPoolExecutor(4) as pool:
+        applied = record_outcomes(store, PayloadStore(settings), plan, pool)
+    assert list(applied.errored) == [throttled] and not applied.rejected
+    assert applied.errored[throttled].response["Error"]["Code"] == "ProvisionedThroughputExceededException"
     assert [o.job.message.task_id for o in plan.unwritten] == [throttled]
+    assert sorted(o.job.message.task_id for o in plan.succeeded) == sorted(others)
     records = TaskStore(settings).get_many([throttled, *others])
     assert {t: r.status.value for t, r in records.items()} == {
         throttled: "queued", others[0]: "succeeded", others[1]: "succeeded"}

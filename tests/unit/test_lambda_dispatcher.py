@@ -481,37 +481,40 @@ def test_an_endpoint_whose_model_is_broken_spends_no_attempt(dispatch, settings,
     assert_untouched(settings, ids)
 
 
-def test_a_call_turned_away_takes_back_its_starts_when_another_task_s_outcome_is_not_written(dispatch, settings):
+def test_an_outcome_the_table_will_not_take_sends_back_its_own_task_alone(dispatch, settings):
     # One call turned away (a model the endpoint does not serve yet), another
-    # answered, and the table would not take that answer's outcome: the whole
-    # batch comes back (write_outcomes raises, the invocation fails). The
-    # turned-away task ran nothing all the same: its claim's start is taken
-    # back, not left to count as a run in settling.
+    # answered for two tasks, and the table throttles one of their outcomes.
+    # Only that task comes back, with the turned-away one: its sibling's
+    # outcome stands and its message is finished, not run again. Neither
+    # task that comes back ran for the record: a throttled write surely did
+    # not land, so its claim's start is taken back, as the turned-away one's,
+    # rather than left to count as a run in settling.
     api = settings.model_copy(update={"models": "synthetic,minilm-embed"})
     (unserved,) = submit(settings, {"model": "minilm-embed", "inputs": ["x"]}, service_settings=api)
-    (ran,) = submit(settings, {"model": "synthetic", "inputs": ["y"]})
+    ran, unwritten = submit(settings, {"model": "synthetic", "inputs": ["y"]}, {"model": "synthetic", "inputs": ["z"]})
     d = dispatch.module.dispatcher()
     d.store = TaskStore(d.settings, ddb=new_client("dynamodb", d.settings))  # the hook sees this store's calls only
 
     def refuse_the_outcome(params, **_):
         body = params["body"].decode()
-        if ran in body and '"succeeded"' in body:
+        if unwritten in body and '"succeeded"' in body:
             error = {"Code": "ProvisionedThroughputExceededException", "Message": "Rate of requests exceeds capacity"}
             return (AWSResponse(params["url"], 400, {}, None),
                     {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 400}})
         return None
 
     d.store.ddb.meta.events.register("before-call.dynamodb.UpdateItem", refuse_the_outcome)
-    event = sqs_event(settings, 2, receive_count=2)  # redeliveries: each claim records a start
+    event = sqs_event(settings, 3, receive_count=2)  # redeliveries: each claim records a start
+    message_of = {json.loads(r["body"])["task_id"]: r["messageId"] for r in event["Records"]}
     SageMakerRuntime.calls.clear()
-    with pytest.raises(ClientError):
-        dispatch(event)
+    assert failed_ids(dispatch(event)) == {message_of[unserved], message_of[unwritten]}
     assert sorted(call["model"] for call in SageMakerRuntime.calls) == ["minilm-embed", "synthetic"]
-    record = TaskStore(settings).get(unserved)
-    assert (record.status, record.attempts, record.started_at, record.error_code) == (TaskStatus.queued, 0, None, None)
-    # The other ran: its start stands, to be counted if its outcome is never written.
-    record = TaskStore(settings).get(ran)
-    assert (record.status, record.attempts) == (TaskStatus.queued, 1)
+    records = TaskStore(settings).get_many([unserved, ran, unwritten])
+    for task_id in (unserved, unwritten):
+        record = records[task_id]
+        assert (record.status, record.attempts, record.started_at, record.error_code) == (
+            TaskStatus.queued, 0, None, None), task_id
+    assert records[ran].status == TaskStatus.succeeded
 
 
 @pytest.mark.parametrize(("status", "code"), [
