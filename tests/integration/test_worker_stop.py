@@ -94,6 +94,13 @@ def test_stopping_runs_the_batch_in_inference_and_hands_back_the_rest(settings):
     assert back == set(ids) - set(done)
 
 
+def wait_for_a_full_pipeline(worker: Worker) -> None:
+    """Of 8 one-input tasks at batch size 2: 2 in inference, 2 prepared, 2 more
+    prepared and waiting to be handed on, 2 in the buffer."""
+    wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
+             "batches prepared behind the model and two tasks left in the buffer")
+
+
 def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(settings):
     # A slow batch must not keep the buffer's messages (a high task among them,
     # say) hidden until it ends, or past the pod's grace period.
@@ -102,9 +109,7 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
     with held_in_inference(worker, model):
-        # 8 tasks: 2 in inference, 2 prepared, 2 more prepared and waiting to be handed on, 2 in the buffer.
-        wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
-                 "batches prepared behind the model and two tasks left in the buffer")
+        wait_for_a_full_pipeline(worker)
         buffered = {m.task().task_id for m in worker.buffer.snapshot()}
         worker.stop()
         visible_again(settings, buffered, "the buffered tasks visible again while the model is held")
@@ -120,8 +125,7 @@ def test_stopping_hands_back_what_it_held_without_spending_a_receive_of_it(setti
     model = GatedModel()
     worker = Worker(settings, {"synthetic": model})
     with held_in_inference(worker, model):
-        wait_for(lambda: worker.pipeline._prepared.full() and len(worker.buffer.snapshot()) == 2, 15,
-                 "batches prepared behind the model and two tasks left in the buffer")
+        wait_for_a_full_pipeline(worker)
         with worker._held_lock:
             received = {m.task().task_id: m.receive_count for m in worker._held.values()}
         worker.stop()
