@@ -247,14 +247,13 @@ class Worker:
             p: threading.Thread(target=self._receive_loop, args=(p,), name=f"sluice-recv-{p.value}", daemon=True)
             for p in Priority
         }
-        receivers = list(self._receivers.values())
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="sluice-heartbeat", daemon=True)
         watchdog = threading.Thread(target=self._watchdog_loop, name="sluice-watchdog", daemon=True)
         # Gives an outcome to tasks whose message was dead-lettered without one (sluice/dlq.py).
         dead = threading.Thread(target=settle_loop, args=(self.queues, self.runner.store, self.settings.max_attempts,
                                                           self._done, self.settings.dlq_settle_s),
                                 name="sluice-dlq", daemon=True)
-        for t in receivers:
+        for t in self._receivers.values():
             t.start()
         heartbeat.start()
         watchdog.start()
@@ -262,8 +261,7 @@ class Worker:
         self.metrics.start()
         log.info("worker ready", extra={"pid": os.getpid(), "models": list(self.runner.models)})
         self.pipeline.run()  # returns once stopping is set and the batches in hand are done
-        for t in receivers:
-            t.join(timeout=self.settings.receive_wait_s + 5)
+        self._wait_for_receives(set(Priority))
         self._give_back(self.buffer.close())
         self._done.set()
         self.metrics.stop()  # publishes what is left
