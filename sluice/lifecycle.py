@@ -56,7 +56,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pydantic_core import to_json
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import Applied, Change, TaskStore, expire, surely_not_applied
+from sluice.adapters.task_store import Applied, Change, TaskStore, expire, surely_not_applied, throttled
 from sluice.contract import TaskMessage, TaskStatus
 from sluice.settings import Settings
 
@@ -379,6 +379,17 @@ def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan,
     if applied.errored:
         _set_aside_unwritten(plan, applied.errored)
     return applied
+
+
+def unclaim_unwritten(store: TaskStore, plan: OutcomePlan, errored: dict[str, Exception]) -> None:
+    """For the outcomes record_outcomes set aside (`plan.unwritten`), whose
+    tasks go back to their queue: a throttled write surely did not land and
+    the table will take it later, so that attempt is not counted and its
+    claim's start is taken back. Any other error keeps the start: it may have
+    landed, or every delivery would fail alike, and a task whose starts were
+    always taken back would be requeued by settling for ever; counted, it
+    reaches max_attempts and settling fails it."""
+    unclaim(store, [o.job for o in plan.unwritten if throttled(errored[o.job.message.task_id])])
 
 
 def _delete_uploads(payloads: PayloadStore, uploads: list[Upload]) -> None:

@@ -42,7 +42,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.task_store import TaskStore, throttled
+from sluice.adapters.task_store import TaskStore
 from sluice.contract import (
     MAX_INPUTS_PER_CALL,
     MAX_TASKS_PER_CALL,
@@ -55,6 +55,7 @@ from sluice.contract import (
 )
 from sluice.lifecycle import (
     INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -251,13 +252,12 @@ class Dispatcher:
                 self._retry(retry, o.job, o.error)
         if plan.unwritten:
             # Outcomes the table would not take: each its own task's, never the
-            # batch's, whose written outcomes stand. A throttled write surely
-            # did not land: its start is taken back, as if it had not run (any
-            # other error may have landed, and keeps it: lifecycle.record_outcomes).
+            # batch's, whose written outcomes stand; a throttled one's start is
+            # taken back (lifecycle.unclaim_unwritten).
             errored = written.errored
             log.warning("could not record the outcome of %d tasks, sending them back: %s", len(plan.unwritten),
                         _describe(next(iter(errored.values()))))
-            unclaim(self.store, [o.job for o in plan.unwritten if throttled(errored[o.job.message.task_id])])
+            unclaim_unwritten(self.store, plan, errored)
             for o in plan.unwritten:
                 self._retry(retry, o.job, f"outcome not recorded: {_describe(errored[o.job.message.task_id])}")
             if self.metrics:

@@ -33,11 +33,12 @@ from pydantic import ValidationError
 from models.base import ModelInputError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
-from sluice.adapters.task_store import TaskStore, throttled
+from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import run_isolating
 from sluice.lifecycle import (
     MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -216,18 +217,12 @@ class BatchRunner:
     def _hand_back_unwritten(self, plan: OutcomePlan, errored: dict[str, Exception]) -> None:
         """Outcomes the table would not take (throttled past the SDK's retries,
         a 5xx, no answer, another error): one task's, never its batch's. Its
-        message comes back after a retry's backoff. A throttled write surely
-        did not land and the table will take it later: that attempt is not
-        counted, its claim's start taken back (task_store.throttled). Any other
-        error keeps the start: a 5xx or no answer may have landed (a retry
-        outcome records attempts = the receive count), or every delivery
-        would fail alike, and a task whose starts were always taken back would
-        be requeued by settling for ever; counted, it reaches max_attempts and
-        settling fails it."""
+        message comes back after a retry's backoff, its start taken back
+        where the write was throttled (lifecycle.unclaim_unwritten)."""
         error = next(iter(errored.values()))
         log.warning("could not record the outcome of %d tasks (%s), handing them back: %s", len(plan.unwritten),
                     ", ".join(o.job.message.task_id for o in plan.unwritten), error)
-        unclaim(self.store, [o.job for o in plan.unwritten if throttled(errored[o.job.message.task_id])])
+        unclaim_unwritten(self.store, plan, errored)
         hand_back(self.queues, [d for o in plan.unwritten for d in o.job.deliveries], _backoff_s(plan.unwritten))
         if self.metrics:
             self.metrics.record_handed_back(len(plan.unwritten))
