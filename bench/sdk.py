@@ -57,8 +57,8 @@ def main(quick: bool = False) -> dict:
                 calls = {
                     "put_item": (ddb_server, lambda i: ddb.put_item(TableName=store.table, Item=to_item(records[i]))),
                     "update_item_outcome": (ddb_server, lambda i: ddb.update_item(**Change(
-                        records[i].task_id, {"status": TaskStatus.succeeded.value, "result_json": result_json},
-                        (TaskStatus.queued,)).update(store.table))),
+                        records[i].task_id, {"status": TaskStatus.succeeded.value, "finished_at": 1, "result_json": result_json},
+                        (TaskStatus.queued,)).update(store.table, store.result_ttl_s))),
                     "send_message_batch_10": (sqs_server, lambda i: sqs.send_message_batch(
                         QueueUrl=url, Entries=[{"Id": str(j), "MessageBody": "x" * 300} for j in range(10)])),
                 }

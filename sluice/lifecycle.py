@@ -37,8 +37,9 @@ keeps the task `queued` with its last error while attempts remain, and marks it
 next receive then moves it to the dead-letter queue. A permanent failure (an
 inputs object that does not exist or is not a JSON list of strings, or an input
 the model refuses) is marked `failed` at once: no other attempt could succeed.
-A final outcome renews the record's TTL (`expires_at`): a result is kept for
-result_ttl_days from finishing, however long its task waited to run.
+A final outcome renews the record's TTL (`expires_at`, set by the task store
+for every change to a final status): a result is kept for result_ttl_days
+from finishing, however long its task waited to run.
 
 Inputs: read per task after claiming (load_inputs), so one unreadable inputs
 object is an outcome of its own task, never a failure of its batch.
@@ -276,7 +277,6 @@ class Upload:
 class OutcomePlan:
     now: int
     max_attempts: int
-    result_ttl_s: int
     changes: list[Change] = field(default_factory=list)
     uploads: list[Upload] = field(default_factory=list)
     succeeded: list[Outcome] = field(default_factory=list)
@@ -289,22 +289,15 @@ class OutcomePlan:
     # their write (throttled past the SDK's retries, a 5xx, no answer).
     unwritten: list[Outcome] = field(default_factory=list)
 
-    @property
-    def expires_at(self) -> int:
-        """A final outcome's record TTL (epoch seconds): the full TTL from
-        finishing, however long the task waited or ran before."""
-        return self.now // 1000 + self.result_ttl_s
-
 
 def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> OutcomePlan:
-    plan = OutcomePlan(now, settings.max_attempts, settings.result_ttl_days * 86400)
+    plan = OutcomePlan(now, settings.max_attempts)
     for o in outcomes:
         task_id = o.job.message.task_id
         if o.error is None:
             values: dict[str, Any] = {
                 "status": TaskStatus.succeeded.value,
                 "finished_at": now,
-                "expires_at": plan.expires_at,
                 "inference_ms": o.inference_ms,
                 "batch_size": o.batch_size,
                 **_started(o, now),
@@ -336,7 +329,7 @@ def _started(o: Outcome, now: int) -> dict[str, Any]:
 def _plan_error(plan: OutcomePlan, o: Outcome) -> None:
     values = {"error_code": o.error_code, "error_message": o.error[:_ERROR_CHARS], **_started(o, plan.now)}
     if o.permanent or o.job.attempts >= plan.max_attempts:
-        values.update(status=TaskStatus.failed.value, finished_at=plan.now, expires_at=plan.expires_at)
+        values.update(status=TaskStatus.failed.value, finished_at=plan.now)
         (plan.unrunnable if o.permanent else plan.failed).append(o)
     else:
         plan.retry.append(o)

@@ -84,7 +84,12 @@ class Change:
     `returns_old`: the values it replaced come back with the same call
     (Applied.replaced), for a change that may have to be undone.
     `only_if`: values the record must hold as well (the undoing of a change
-    made only while the record still shows it)."""
+    made only while the record still shows it).
+
+    A change to a final status sets `finished_at`, and the store renews the
+    record's TTL from it (`expires_at`, see `update`): every final outcome,
+    whoever writes it (a worker, a cancel, an expiry, dead-letter settling),
+    is kept for the result TTL from finishing, however long its task waited."""
 
     task_id: str
     set_values: dict[str, Any]
@@ -101,6 +106,10 @@ class Change:
         if not self.allowed_from:
             raise ValueError("a change applies from at least one status")
         target = self.set_values.get("status")
+        if "expires_at" in self.set_values:
+            raise ValueError("expires_at is the store's to set, from a final change's finished_at")
+        if self.finishes and "finished_at" not in self.set_values:
+            raise ValueError(f"a change to {target} sets finished_at")
         for source in self.allowed_from:
             if target is None:
                 if source.is_terminal:
@@ -108,11 +117,22 @@ class Change:
             elif not can_transition(source, TaskStatus(target)):
                 raise ValueError(f"no transition from {source.value} to {TaskStatus(target).value}")
 
-    def update(self, table: str) -> dict[str, Any]:
+    @property
+    def finishes(self) -> bool:
+        """Whether the change moves its task to a final status."""
+        target = self.set_values.get("status")
+        return target is not None and TaskStatus(target).is_terminal
+
+    def update(self, table: str, result_ttl_s: int) -> dict[str, Any]:
+        """The UpdateItem request; a final change's gets `expires_at`, the
+        result TTL (seconds) from its `finished_at`."""
         names: dict[str, str] = {"#s": "status"}
         values: dict[str, Any] = {}
         sets = []
-        for i, (attr, value) in enumerate(self.set_values.items()):
+        set_values = self.set_values
+        if self.finishes:
+            set_values = {**set_values, "expires_at": set_values["finished_at"] // 1000 + result_ttl_s}
+        for i, (attr, value) in enumerate(set_values.items()):
             names[f"#a{i}"] = attr
             values[f":v{i}"] = _ser.serialize(value)
             sets.append(f"#a{i} = :v{i}")
@@ -183,6 +203,7 @@ def surely_not_applied(exc: Exception) -> bool:
 class TaskStore:
     def __init__(self, settings: Settings, ddb=None):
         self.table = settings.tasks_table
+        self.result_ttl_s = settings.result_ttl_days * 86400
         # A caller may bring its own client (tests that must bypass a proxy).
         self.ddb = ddb or client("dynamodb", settings)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluice-ddb")
@@ -279,7 +300,7 @@ class TaskStore:
 
     def apply(self, change: Change) -> TaskRecord:
         """One conditional update; returns the new record or raises TransitionRejected."""
-        request = change.update(self.table)
+        request = change.update(self.table, self.result_ttl_s)
         request.pop("TableName")
         request.pop("ReturnValues", None)  # this call returns the whole new record
         try:
@@ -330,7 +351,7 @@ class TaskStore:
         """The UpdateItem's response, _REJECTED when its condition failed, or
         the exception its call raised."""
         try:
-            return self.ddb.update_item(**change.update(self.table))
+            return self.ddb.update_item(**change.update(self.table, self.result_ttl_s))
         except ClientError as err:
             if _code(err) == "ConditionalCheckFailedException":
                 return _REJECTED

@@ -3,6 +3,7 @@ lasts: in-process TaskService (and worker) against the emulator."""
 
 import itertools
 import threading
+from types import SimpleNamespace
 
 import pytest
 from botocore.exceptions import EndpointConnectionError
@@ -17,8 +18,13 @@ from sluice.contract import (
     BatchSubmitRequest,
     Priority,
     SubmitRequest,
+    TaskMessage,
+    TaskRecord,
     TaskStatus,
+    now_ms,
 )
+from sluice.dlq import settle_dead
+from sluice.lifecycle import Job, claim
 
 REQUEST = SubmitRequest(model="synthetic", inputs=["again"])
 
@@ -181,3 +187,50 @@ def test_a_finished_task_keeps_its_outcome_for_the_ttl_from_finishing(service, s
         record = service.store.get(task_id)
         assert record.status == status and record.finished_at == finished_at
         assert record.expires_at == finished_at // 1000 + settings.result_ttl_days * 86400
+
+
+# Every final status is an outcome a client may come back for: each renews the
+# record's TTL from its finishing, whichever part of Sluice wrote it.
+LONG_AGO = 1_000_000  # ms: the submit's TTL floor (created + message retention) lies long past
+
+
+def waited_long(store, task_id: str, **recorded) -> None:
+    store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
+                            status=TaskStatus.queued, input_count=1, created_at=LONG_AGO,
+                            expires_at=LONG_AGO // 1000 + MESSAGE_RETENTION_S, **recorded))
+
+
+def assert_kept_for_the_ttl_from_finishing(record, status, settings):
+    assert record.status is status
+    assert record.expires_at == record.finished_at // 1000 + settings.result_ttl_days * 86400
+
+
+def test_a_cancelled_task_is_kept_for_the_ttl_from_its_cancel(service, settings):
+    waited_long(service.store, "cancelled-late")
+    service.cancel("t", "cancelled-late")
+    assert_kept_for_the_ttl_from_finishing(service.store.get("cancelled-late"), TaskStatus.cancelled, settings)
+
+
+def test_a_task_expired_when_read_is_kept_for_the_ttl_from_expiring(service, settings):
+    waited_long(service.store, "expired-read", deadline_at=LONG_AGO + 1000)
+    service.get("t", "expired-read")
+    assert_kept_for_the_ttl_from_finishing(service.store.get("expired-read"), TaskStatus.expired, settings)
+
+
+def test_a_task_expired_by_a_claim_is_kept_for_the_ttl_from_expiring(service, settings):
+    waited_long(service.store, "expired-claimed", deadline_at=LONG_AGO + 1000)
+    message = TaskMessage(task_id="expired-claimed", tenant_id="t", model="synthetic", priority=Priority.normal,
+                          input_count=1, inputs=["x"], enqueued_at=LONG_AGO, deadline_at=LONG_AGO + 1000)
+    delivery = SimpleNamespace(receive_count=1)
+    assert claim(service.store, [Job(message, [delivery])], now_ms()).expired
+    assert_kept_for_the_ttl_from_finishing(service.store.get("expired-claimed"), TaskStatus.expired, settings)
+
+
+def test_a_task_failed_by_dead_letter_settling_is_kept_for_the_ttl_from_settling(service, settings):
+    waited_long(service.store, "settled", attempts=settings.max_attempts - 1)
+    queues = PriorityQueues(settings)
+    body = TaskMessage(task_id="settled", tenant_id="t", model="synthetic", priority=Priority.normal,
+                       input_count=1, inputs=["x"], enqueued_at=LONG_AGO).model_dump_json(exclude_none=True)
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=body)
+    assert settle_dead(queues, service.store, [Priority.normal], settings.max_attempts)["failed"] == 1
+    assert_kept_for_the_ttl_from_finishing(service.store.get("settled"), TaskStatus.failed, settings)

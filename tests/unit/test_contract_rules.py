@@ -115,6 +115,30 @@ def test_a_final_record_is_never_written_again(final):
         Change("t", {"started_at": 1}, (TaskStatus.queued, TaskStatus(final)), add_attempt=True)
 
 
+def test_a_final_change_says_when_it_finished():
+    with pytest.raises(ValueError, match="finished_at"):
+        Change("t", {"status": TaskStatus.cancelled.value}, QUEUED)
+
+
+def test_a_change_leaves_the_ttl_to_the_store():
+    with pytest.raises(ValueError, match="expires_at"):
+        Change("t", {"status": TaskStatus.cancelled.value, "finished_at": 1, "expires_at": 2}, QUEUED)
+
+
+@pytest.mark.parametrize("final", sorted(s.value for s in TaskStatus if s.is_terminal))
+def test_a_final_change_keeps_its_record_for_the_ttl_from_finishing(final):
+    source = next(s for s in TaskStatus if can_transition(s, TaskStatus(final)))
+    request = Change("t", {"status": final, "finished_at": 86_400_999}, (source,)).update("tasks", 7 * 86400)
+    names, values = request["ExpressionAttributeNames"], request["ExpressionAttributeValues"]
+    written = {names[f"#a{i}"]: values[f":v{i}"] for i in range(len(values)) if f"#a{i}" in names}
+    assert written["expires_at"] == {"N": str(86_400 + 7 * 86400)}
+
+
+def test_a_change_that_keeps_the_task_running_leaves_its_ttl():
+    request = Change("t", {"started_at": 1}, QUEUED, add_attempt=True).update("tasks", 7 * 86400)
+    assert "expires_at" not in request["ExpressionAttributeNames"].values()
+
+
 def test_a_change_needs_a_status_to_apply_from():
     with pytest.raises(ValueError):
         Change("t", {"started_at": 1}, ())
