@@ -87,6 +87,7 @@ class BatchRunner:
         ack: list[Received] = []
         unserved: dict[str, list[Received]] = {}  # by model
         jobs: dict[str, Job] = {}
+        now = now_ms()
         for received in batch:
             try:
                 message = received.task()
@@ -94,7 +95,10 @@ class BatchRunner:
                 log.error("dropping a message that is not a task", extra={"message_id": received.message_id})
                 ack.append(received)
                 continue
-            if message.model not in self.models:
+            # Past its deadline, the claim expires it whatever its model: handed
+            # back, it would circle until a worker with the model came, if any.
+            past_deadline = message.deadline_at is not None and message.deadline_at <= now
+            if message.model not in self.models and not past_deadline:
                 unserved.setdefault(message.model, []).append(received)
                 continue
             if message.task_id in jobs:  # the same task delivered twice into one batch
@@ -104,7 +108,7 @@ class BatchRunner:
         if unserved:
             self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
 
-        claimed = claim(self.store, list(jobs.values()), now_ms())  # if it raises, it took back its starts
+        claimed = claim(self.store, list(jobs.values()), now)  # if it raises, it took back its starts
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         try:
             # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
@@ -120,7 +124,8 @@ class BatchRunner:
         no attempt of the task, so nothing is written (no start, no error),
         and the message goes back for a worker that serves the model.
         Each hand-back still counts a receive, so the message may reach the
-        DLQ; settling (sluice.dlq) requeues a task with no recorded start."""
+        DLQ; settling (sluice.dlq) requeues a task with no recorded start.
+        A task past its deadline is not handed back: prepare's claim expires it."""
         # Hidden a while, not at once: workers without the model would take it
         # straight back, spending a receive each time.
         delay_s = min(30, max(1, self.settings.visibility_timeout_s // 4))

@@ -126,3 +126,20 @@ def test_a_task_for_a_model_this_worker_does_not_serve_is_handed_back_unclaimed(
     assert runner.prepare([again], lambda messages, delay_s: given.append((messages, delay_s))).jobs == []
     assert given == [([again], 1)]
     assert store.get(elsewhere).attempts == 0
+
+
+def test_a_task_past_its_deadline_expires_even_for_a_model_this_worker_does_not_serve(api, settings, runner):
+    # Handed back, it would circle until a worker with the model came, or for the queue's whole retention.
+    newer = TestClient(create_app(settings.model_copy(update={"models": "synthetic,minilm-embed"})),
+                       raise_server_exceptions=False)
+    late = newer.post("/v1/tasks", json={"model": "minilm-embed", "inputs": ["not here"], "deadline_s": 1},
+                      headers={"x-api-key": api.key_a}).json()["task_id"]
+    (message,) = receive_all(settings, 1)
+    body = json.loads(message.body)
+    body["deadline_at"] = 1  # the deadline passed, without waiting for it
+    message.body = json.dumps(body)
+    given = []
+    prepared = runner.prepare([message], lambda messages, delay_s: given.append(messages))
+    assert prepared.jobs == [] and given == [] and prepared.ack == [message]
+    record = TaskStore(settings).get(late)
+    assert (record.status.value, record.error_code, record.attempts) == ("expired", "deadline_exceeded", 0)
