@@ -131,7 +131,7 @@ class Api(Construct):
                 "SLUICE_BUCKET": storage.bucket.bucket_name,
                 "SLUICE_QUEUE_PREFIX": config.name_prefix,
                 "SLUICE_MODELS": config.models,
-                "SLUICE_RESULT_TTL_DAYS": str(config.result_ttl_days),
+                **config.lifecycle_env,
                 "SLUICE_RATE_LIMIT_PER_S": "0",  # usage plans throttle on AWS
                 "SLUICE_MAX_BODY_BYTES": str(MAX_BODY_BYTES),  # the WAF refuses the same bodies ahead of it
                 **queues.env(),

@@ -127,6 +127,14 @@ class SluiceConfig:
         # (900 s) would keep them hidden, heartbeat after heartbeat, that long.
         return 2 * self.longest_batch_s
 
+    @property
+    def lifecycle_env(self) -> dict[str, str]:
+        """The task-lifecycle settings every writer of task records shares (the
+        API, workers, the dispatcher, the settler): a final status renews its
+        record's TTL from result_ttl_days, and attempts count to max_attempts,
+        whoever writes them."""
+        return {"SLUICE_MAX_ATTEMPTS": str(self.max_attempts), "SLUICE_RESULT_TTL_DAYS": str(self.result_ttl_days)}
+
     # ------------------------------------------------------------ reading
     @classmethod
     def from_context(cls, node) -> "SluiceConfig":

@@ -156,8 +156,7 @@ class EksWorkers(Construct):
             "SLUICE_MAX_WAIT_MS": str(config.max_wait_ms),
             "SLUICE_VISIBILITY_TIMEOUT_S": str(config.visibility_timeout_s),
             "SLUICE_INFERENCE_TIMEOUT_S": str(config.inference_timeout_s),
-            "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
-            "SLUICE_RESULT_TTL_DAYS": str(config.result_ttl_days),
+            **config.lifecycle_env,
             "SLUICE_DEVICE": "cuda",
             # The add-on ships container logs, not EMF: EMF lines on stdout would never become metrics.
             "SLUICE_METRICS_SINK": "cloudwatch",

@@ -149,7 +149,7 @@ class SageMakerWorkers(Construct):
                 "SLUICE_DISPATCH_CONCURRENCY": str(config.dispatcher_batch_size),
                 "SLUICE_TASKS_TABLE": storage.tasks.table_name,
                 "SLUICE_BUCKET": storage.bucket.bucket_name,
-                "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
+                **config.lifecycle_env,
                 "SLUICE_MODELS": config.models,
             },
         )
@@ -185,7 +185,7 @@ class SageMakerWorkers(Construct):
             memory_mb=256,
             environment={
                 "SLUICE_TASKS_TABLE": storage.tasks.table_name,
-                "SLUICE_MAX_ATTEMPTS": str(config.max_attempts),
+                **config.lifecycle_env,
                 "SLUICE_QUEUE_PREFIX": config.name_prefix,
                 **queues.env(),
             },

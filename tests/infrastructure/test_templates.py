@@ -163,6 +163,24 @@ def test_api_lambda_runs_the_app_with_gateway_auth(synth, backend):
     assert api["Properties"]["Layers"]
 
 
+def test_every_writer_of_task_records_shares_the_task_lifecycle_settings(synth, backend):
+    # A final status renews its record's TTL from result_ttl_days, and attempts
+    # count against max_attempts, in whichever process writes it: one that fell
+    # back to the defaults would keep records for another TTL than the bucket's
+    # results and the API's promise.
+    config = synth.config[backend]
+    envs = {name: f["Properties"].get("Environment", {}).get("Variables", {})
+            for name, f in resources(synth.raw[backend], "AWS::Lambda::Function").items()}
+    if backend == "eks":
+        (container,) = worker_deployment(synth.raw["eks"])["spec"]["template"]["spec"]["containers"]
+        envs["worker"] = {e["name"]: e.get("value") for e in container["env"]}
+    writers = {name: env for name, env in envs.items() if "SLUICE_TASKS_TABLE" in env}
+    assert len(writers) == {"eks": 2, "sagemaker": 3}[backend], sorted(writers)
+    for name, env in writers.items():
+        assert env.get("SLUICE_RESULT_TTL_DAYS") == str(config.result_ttl_days), name
+        assert env.get("SLUICE_MAX_ATTEMPTS") == str(config.max_attempts), name
+
+
 def test_lambda_bundle_has_no_torch():
     from cdk import bundling, functions
 

@@ -193,10 +193,11 @@ class _Context:
         return dict(self.context)
 
 
-def test_eks_workers_use_the_stacks_max_attempts_visibility_and_grace_period():
+def test_eks_workers_use_the_stacks_max_attempts_visibility_result_ttl_and_grace_period():
     # The stack made the queues with maxReceiveCount = max_attempts and its visibility
     # timeout; a worker with other values spends attempts the queue does not count, or
-    # lets a message reappear while its batch still runs.
+    # lets a message reappear while its batch still runs. The stack's bucket and API
+    # keep results for result_ttl_days: a worker's finished records must last as long.
     from cdk.config import SluiceConfig
 
     eks = site("eks")
@@ -205,6 +206,7 @@ def test_eks_workers_use_the_stacks_max_attempts_visibility_and_grace_period():
         assert int(config["SLUICE_MAX_ATTEMPTS"]) == stack.max_attempts
         assert int(config["SLUICE_VISIBILITY_TIMEOUT_S"]) == stack.visibility_timeout_s
         assert int(config["SLUICE_INFERENCE_TIMEOUT_S"]) == stack.inference_timeout_s
+        assert int(config["SLUICE_RESULT_TTL_DAYS"]) == stack.result_ttl_days
         pod = eks[("Deployment", "sluice-worker")]["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == stack.termination_grace_s
     # Strings (a ConfigMap's data holds nothing else) that the worker accepts.
