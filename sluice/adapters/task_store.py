@@ -220,7 +220,9 @@ class TaskStore:
                 self.ddb.put_item(
                     TableName=self.table,
                     Item=item,
-                    ConditionExpression="attribute_not_exists(task_id)",
+                    # A record past its TTL is gone (see _outlived): its id is free.
+                    ConditionExpression="attribute_not_exists(task_id) OR expires_at < :now",
+                    ExpressionAttributeValues={":now": {"N": str(int(time.time()))}},
                     ReturnValuesOnConditionCheckFailure="ALL_OLD",
                 )
                 return
@@ -230,7 +232,7 @@ class TaskStore:
                 old = err.response.get("Item") or self.ddb.get_item(
                     TableName=self.table, Key=_key(record.task_id), ConsistentRead=True
                 ).get("Item")
-                if old:
+                if old and not _outlived(old):
                     raise TaskExists(from_item(old)) from None
                 vanished = err
         # Taken at each put and gone at each read: a table in flux, answered
@@ -251,10 +253,10 @@ class TaskStore:
 
     def get(self, task_id: str) -> TaskRecord | None:
         item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
-        return from_item(item) if item else None
+        return from_item(item) if item and not _outlived(item) else None
 
     def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
-        return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids)}
+        return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids) if not _outlived(item)}
 
     def statuses(self, task_ids: Iterable[str]) -> dict[str, TaskStatus]:
         """Only the status of each task that exists: what a worker's claim
@@ -384,6 +386,15 @@ def _until_processed(send: Callable[[dict], dict], request: dict, tries: int = 6
             break
         time.sleep(0.05 * 2**attempt)
     return request
+
+
+def _outlived(item: dict[str, Any]) -> bool:
+    """Whether the record is past its TTL. DynamoDB deletes such an item only
+    some time later (up to a few days), and the emulators never do: each read
+    and the create treat it as deleted already, so a record lasts as long as
+    its TTL says wherever Sluice runs."""
+    expires_at = item.get("expires_at")
+    return expires_at is not None and int(expires_at["N"]) < time.time()
 
 
 def _key(task_id: str) -> dict[str, Any]:

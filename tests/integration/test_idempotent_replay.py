@@ -11,7 +11,7 @@ from botocore.exceptions import EndpointConnectionError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.api.errors import ApiError
-from sluice.api.service import TaskService, batch_task_id
+from sluice.api.service import TaskService, batch_task_id, request_hash
 from sluice.contract import (
     MAX_DEADLINE_S,
     MESSAGE_RETENTION_S,
@@ -191,13 +191,14 @@ def test_a_finished_task_keeps_its_outcome_for_the_ttl_from_finishing(service, s
 
 # Every final status is an outcome a client may come back for: each renews the
 # record's TTL from its finishing, whichever part of Sluice wrote it.
-LONG_AGO = 1_000_000  # ms: the submit's TTL floor (created + message retention) lies long past
+LONG_AGO = 1_000_000  # ms
 
 
 def waited_long(store, task_id: str, **recorded) -> None:
+    """A task queued long ago, its record's TTL from the submit an hour away."""
     store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
                             status=TaskStatus.queued, input_count=1, created_at=LONG_AGO,
-                            expires_at=LONG_AGO // 1000 + MESSAGE_RETENTION_S, **recorded))
+                            expires_at=now_ms() // 1000 + 3600, **recorded))
 
 
 def assert_kept_for_the_ttl_from_finishing(record, status, settings):
@@ -234,3 +235,30 @@ def test_a_task_failed_by_dead_letter_settling_is_kept_for_the_ttl_from_settling
     queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=body)
     assert settle_dead(queues, service.store, [Priority.normal], settings.max_attempts)["failed"] == 1
     assert_kept_for_the_ttl_from_finishing(service.store.get("settled"), TaskStatus.failed, settings)
+
+
+# DynamoDB deletes an item some time after its TTL (up to days), the emulators
+# never: a record past its TTL reads as gone everywhere, as the docs promise.
+def outlive_ttl(store, task_id: str) -> None:
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": task_id}},
+                          UpdateExpression="SET expires_at = :past", ExpressionAttributeValues={":past": {"N": "1"}})
+
+
+def test_a_record_past_its_ttl_is_not_found(service):
+    task_id = service.submit("t", REQUEST, None).task_id
+    outlive_ttl(service.store, task_id)
+    for call in (service.get, service.cancel):
+        with pytest.raises(ApiError) as gone:
+            call("t", task_id)
+        assert gone.value.status == 404
+
+
+def test_an_idempotency_key_whose_task_is_past_its_ttl_creates_a_new_task(service):
+    first = service.submit("t", REQUEST, "outlived")
+    service.cancel("t", first.task_id)
+    outlive_ttl(service.store, first.task_id)
+    other = SubmitRequest(model="synthetic", inputs=["another body, the key free again"])
+    again = service.submit("t", other, "outlived")
+    assert again.task_id == first.task_id and again.status == TaskStatus.queued
+    record = service.store.get(again.task_id)
+    assert record.status == TaskStatus.queued and record.request_hash == request_hash(other)

@@ -33,12 +33,12 @@ def test_a_finished_task_never_moves_back(store):
     r = record()
     store.create(r)
     store.apply(Change(r.task_id, {"started_at": 5}, QUEUED, add_attempt=True))
-    store.apply(Change(r.task_id, {"status": "succeeded", "finished_at": 6, "result_json": "[1]"}, QUEUED))
+    store.apply(Change(r.task_id, {"status": "succeeded", "finished_at": now_ms(), "result_json": "[1]"}, QUEUED))
     with pytest.raises(TransitionRejected) as info:
         store.apply(Change(r.task_id, {"started_at": 6}, QUEUED, add_attempt=True))
     assert info.value.current.status is TaskStatus.succeeded
     with pytest.raises(TransitionRejected):
-        store.apply(Change(r.task_id, {"status": "succeeded", "finished_at": 7, "result_json": "[2]"}, QUEUED))
+        store.apply(Change(r.task_id, {"status": "succeeded", "finished_at": now_ms(), "result_json": "[2]"}, QUEUED))
     final = store.get(r.task_id)
     assert final.result_json == "[1]" and final.attempts == 1 and final.started_at == 5
 
@@ -62,7 +62,7 @@ def test_get_many_and_compensating_delete(store):
     assert set(store.get_many([r.task_id for r in records] + ["missing"])) == {r.task_id for r in records}
     store.delete_if_queued(records[0].task_id)
     assert store.get(records[0].task_id) is None
-    store.apply(Change(records[1].task_id, {"status": "cancelled", "finished_at": 6}, QUEUED))
+    store.apply(Change(records[1].task_id, {"status": "cancelled", "finished_at": now_ms()}, QUEUED))
     store.delete_if_queued(records[1].task_id)  # not queued any more: kept
     assert store.get(records[1].task_id) is not None
 
@@ -70,7 +70,7 @@ def test_get_many_and_compensating_delete(store):
 def test_statuses_reads_only_the_status_of_tasks_that_exist(store):
     records = [record() for _ in range(120)]  # more than one BatchGetItem of 100 keys
     store.create_many(records)
-    store.apply(Change(records[0].task_id, {"status": "cancelled", "finished_at": 6}, QUEUED))
+    store.apply(Change(records[0].task_id, {"status": "cancelled", "finished_at": now_ms()}, QUEUED))
     statuses = store.statuses([r.task_id for r in records] + ["missing"])
     assert set(statuses) == {r.task_id for r in records}
     assert statuses[records[0].task_id] is TaskStatus.cancelled
