@@ -188,14 +188,22 @@ class Worker:
         # A message is first extended between one and two periods after it was
         # received. At a quarter of the visibility timeout that leaves it a
         # quarter or more when the next tick comes, so one failed extension
-        # call (a throttle, a blip) never lets a held message lapse.
+        # call (a throttle, a blip, up to a period long) never lets a held
+        # message lapse.
         return max(1.0, self.settings.visibility_timeout_s / 4)
 
     def _heartbeat_loop(self) -> None:
         """Keep every held message invisible while it waits or runs."""
         period = self.heartbeat_period_s
-        while not self._done.wait(period):
+        # Ticks keep their schedule, whatever a call takes: a failed call to a
+        # stalled SQS takes its retries' timeouts (about 12 s), and a next tick
+        # counted from its return would come that much later, when a message
+        # whose extension failed may have lapsed. One that overran its period
+        # is followed by the next tick at once.
+        next_tick = time.monotonic() + period
+        while not self._done.wait(max(0.0, next_tick - time.monotonic())):
             self._extend_held(period)
+            next_tick = max(next_tick + period, time.monotonic())
 
     def _extend_held(self, older_than_s: float) -> None:
         with self._extending:

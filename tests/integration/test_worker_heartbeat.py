@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from models.synthetic import SyntheticModel
 from sluice.api.service import TaskService
 from sluice.contract import Priority, SubmitRequest
@@ -103,3 +105,42 @@ def test_a_message_outlives_one_failed_extension_whenever_it_was_received(settin
             worker._extend_held(period)
         left = received + visibility - attempts[1]
         assert left >= visibility / 4 - 1e-9, f"received at {received:.1f} s: retried with only {left:.1f} s left"
+
+
+class FakeDone:
+    """Stands in for Worker._done on a fake clock: wait(t) advances it by t; set at `until`."""
+
+    def __init__(self, clock, until):
+        self.clock, self.until = clock, until
+
+    def wait(self, timeout):
+        self.clock.now += timeout
+        return self.clock.now >= self.until
+
+
+@pytest.mark.parametrize("failing_call_s", [12.1, 15.0])  # 12.1 s: a call to a stalled SQS (docs/reliability.md)
+def test_a_slow_failed_extension_does_not_push_the_next_tick_back(settings, monkeypatch, failing_call_s):
+    """The ticks keep their schedule whatever a call takes (up to a period): a
+    tick that started after the failed call had returned would come a period
+    plus the call's time later, when a message may have lapsed."""
+    worker = Worker(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    visibility = 60
+    worker.settings = settings.model_copy(update={"visibility_timeout_s": visibility})
+    period = worker.heartbeat_period_s
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("sluice.worker.main.time", SimpleNamespace(monotonic=lambda: clock.now))
+    attempts: list[float] = []
+
+    def slow_to_fail_once(messages, timeout_s):
+        attempts.append(clock.now)
+        if len(attempts) == 1:
+            clock.now += failing_call_s
+            raise ConnectionError("read timeout")
+
+    monkeypatch.setattr(worker.queues, "change_visibility_many", slow_to_fail_once)
+    received = period + 0.01  # just after a tick: first extended two ticks later
+    worker._held = {"m": SimpleNamespace(receipt_handle="m", received_at=received)}
+    worker._done = FakeDone(clock, until=received + visibility + period)
+    worker._heartbeat_loop()
+    left = received + visibility - attempts[1]
+    assert left >= visibility / 4 - 0.02, f"retried with {left:.2f} s of visibility left"
