@@ -1,4 +1,5 @@
-"""Bisect a failing batch so that only the items that fail are lost.
+"""Bisect a failing batch so that only the items that fail are lost, and tell
+a broken model from poison inputs.
 
 Shared by the EKS worker (sluice.worker.runner) and the SageMaker server
 (containers/sagemaker/serve.py). Kept free of any dependency so that both can
@@ -8,7 +9,17 @@ torch in except through the models.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, TypeVar
+
+# A task's error code when the model raised on it (sluice.lifecycle): retried.
+MODEL_ERROR = "model_error"
+# Runs of two or more tasks in a row in which the model failed every task:
+# past this the model is taken for broken. One failing task is a poison input
+# (bisection isolates it); all of them, run after run, is the device or the
+# model: a worker that kept going would spend an attempt of every task in its
+# queues within seconds.
+BROKEN_AFTER = 3
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -26,3 +37,27 @@ def run_isolating(run: Callable[[list[T]], list[R]], items: list[T], on_error: C
             return [on_error(items[0], exc)]
         middle = len(items) // 2
         return run_isolating(run, items[:middle], on_error) + run_isolating(run, items[middle:], on_error)
+
+
+class BrokenModelWatch:
+    """Whether a model is broken (a GPU after a sticky CUDA error), from the
+    runs it makes: it failed every task of BROKEN_AFTER runs of two or more
+    tasks in a row. A run in which any task succeeded shows the model works
+    and starts the count again; a run that says nothing about the device (one
+    failing task alone is a poison input, a refusal among the failures, nothing
+    run) leaves the count as it is. Thread-safe: runs for different models may
+    be told at once."""
+
+    def __init__(self):
+        self.failed_in_a_row = 0
+        self._lock = threading.Lock()
+
+    def saw(self, codes: list[str | None]) -> bool:
+        """Told each task's error code in one run (None: a result); True from
+        the run that makes the model broken on."""
+        with self._lock:
+            if None in codes:
+                self.failed_in_a_row = 0
+            elif len(codes) >= 2 and all(code == MODEL_ERROR for code in codes):
+                self.failed_in_a_row += 1
+            return self.failed_in_a_row >= BROKEN_AFTER

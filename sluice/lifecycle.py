@@ -59,6 +59,7 @@ from pydantic_core import to_json
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import Applied, Change, TaskStore, expire, surely_not_applied, throttled
 from sluice.contract import TaskMessage, TaskStatus
+from sluice.isolation import MODEL_ERROR  # this attempt's crash: retried
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.lifecycle")
@@ -87,7 +88,6 @@ class Job:
         return max(d.receive_count for d in self.deliveries)
 
 
-MODEL_ERROR = "model_error"  # this attempt's crash: retried
 
 
 @dataclass

@@ -27,7 +27,7 @@ alone, and only that task gets an error.
 A model that fails every task it ran in BROKEN_AFTER calls of two or more
 tasks in a row (a GPU after a sticky CUDA error, a broken model) makes /ping
 answer 503 from then on, so that SageMaker takes the instance out of service
-and replaces it: the EKS worker's rule (sluice.worker.runner), which stops the
+and replaces it: the EKS worker's rule (sluice.isolation.BrokenModelWatch), which stops the
 worker. One failing task is a poison input and does not count; a call in
 which any task succeeds starts the count again. From then on invocations are
 refused too, before anything is read or run: HTTP 503 with the error body's
@@ -69,7 +69,7 @@ from sluice.contract import (
     ErrorResponse,
     TaskError,
 )
-from sluice.isolation import run_isolating
+from sluice.isolation import BROKEN_AFTER, MODEL_ERROR, BrokenModelWatch, run_isolating
 from sluice.settings import Settings, SettingsError
 from sluice.worker.main import log_level
 
@@ -77,14 +77,6 @@ log = logging.getLogger("sluice.sagemaker")
 
 JSON = "application/json"
 
-# Calls of two or more tasks in a row in which the model failed every task it
-# ran: past this, /ping answers 503. The EKS worker's threshold
-# (sluice.worker.runner.BROKEN_AFTER, kept equal by a test), not imported from
-# there: the runner pulls in boto3 and the worker's AWS adapters, which this
-# server does not otherwise load; what the two share lives in dependency-free
-# modules (sluice.isolation).
-BROKEN_AFTER = 3
-MODEL_ERROR = "model_error"
 # The error code of the 503 that refuses every invocation once the model is
 # broken: the dispatcher Lambda (lambdas/dispatcher/dispatch.py, _MODEL_BROKEN,
 # kept equal by a test) reads it as a call that ran nothing. Defined on both
@@ -117,8 +109,7 @@ class Endpoint:
         self.max_batch_size = max_batch_size  # SLUICE_MAX_BATCH_SIZE; each model's own limit applies too
         self._locks = {name: threading.Lock() for name in models}
         self.broken = False  # for good: /ping and invocations answer 503 until SageMaker replaces the instance
-        self._failed_in_a_row = 0
-        self._watch = threading.Lock()  # calls for different models run at once
+        self._watch = BrokenModelWatch()  # the EKS worker's rule (sluice.isolation)
 
     def invoke(self, body: bytes, content_type: str | None) -> EndpointResult | EndpointTasksReply:
         if self.broken:  # nothing is read or run: the caller hands the tasks back
@@ -199,17 +190,10 @@ class Endpoint:
 
     def _watch_the_model(self, codes: list[str | None]) -> None:
         """Told the error code (None: a result) of each task one call ran through the model."""
-        with self._watch:
-            if None in codes:  # the model answered a task: it works
-                self._failed_in_a_row = 0
-            elif len(codes) >= 2 and all(code == MODEL_ERROR for code in codes):
-                self._failed_in_a_row += 1
-            # Otherwise (one task alone, a refusal among the failures) the call
-            # says nothing about the device: the count stays as it is.
-            if self._failed_in_a_row >= BROKEN_AFTER and not self.broken:
-                self.broken = True
-                log.error("the model failed every task of %d calls in a row: /ping and invocations answer 503 from now "
-                          "on, for SageMaker to replace this instance", self._failed_in_a_row)
+        if self._watch.saw(codes) and not self.broken:
+            self.broken = True
+            log.error("the model failed every task of %d calls in a row: /ping and invocations answer 503 from now "
+                      "on, for SageMaker to replace this instance", BROKEN_AFTER)
 
     def _predict(self, model, inputs: list[str]) -> list:
         limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)

@@ -35,20 +35,15 @@ from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
-from sluice.isolation import run_isolating
+from sluice.isolation import BROKEN_AFTER, BrokenModelWatch, run_isolating
 from sluice.lifecycle import (
-    MODEL_ERROR, Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
     unclaim_unwritten,
 )
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.worker")
 
-# Batches of two or more tasks in a row in which the model failed every task.
-# One failing task is a poison input (bisection isolates it); all of them,
-# batch after batch, is the device or the model: a worker that kept going
-# would spend an attempt of every task in its queues within seconds.
-BROKEN_AFTER = 3
 # How long a stopping worker (SIGTERM, or its watchdog giving up on a stuck
 # batch) waits to take back the starts of the batches it hands back unrun:
 # one parallel round of UpdateItem calls, after the hand-back.
@@ -284,7 +279,7 @@ class Pipeline:
         self.inferring_since: float | None = None  # time.monotonic() when the batch in inference began
         self.on_broken = on_broken  # told once BROKEN_AFTER batches in a row failed every task
         self.broken = False
-        self._failed_in_a_row = 0
+        self._model_watch = BrokenModelWatch()
         # Batches prepared and not yet taken for inference, by id(): claimed,
         # not run. The watchdog takes their starts back (unclaim_waiting).
         self._waiting: dict[int, Prepared] = {}
@@ -327,11 +322,9 @@ class Pipeline:
         preparer.join()
 
     def _watch_the_model(self, outcomes: list[Outcome]) -> None:
-        every_task_failed = len(outcomes) >= 2 and all(o.error_code == MODEL_ERROR and o.error for o in outcomes)
-        self._failed_in_a_row = self._failed_in_a_row + 1 if every_task_failed else 0
-        if self._failed_in_a_row >= BROKEN_AFTER and not self.broken:
+        if self._model_watch.saw([o.error_code if o.error else None for o in outcomes]) and not self.broken:
             log.error("the model failed every task of %d batches in a row: stopping this worker (exit 1) rather "
-                      "than fail the rest of the queue", self._failed_in_a_row)
+                      "than fail the rest of the queue", BROKEN_AFTER)
             self.broken = True
             self.stopping.set()
             if self.on_broken:

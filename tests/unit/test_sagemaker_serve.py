@@ -352,11 +352,6 @@ def test_a_call_in_which_a_task_succeeds_starts_the_count_again(server, success)
     assert call(port, "GET", "/ping")[0] == 503
 
 
-def test_the_endpoint_gives_up_on_the_model_when_the_worker_would():
-    from sluice.worker.runner import BROKEN_AFTER
-
-    assert serve.BROKEN_AFTER == BROKEN_AFTER
-
 
 def free_port() -> int:
     with socket.socket() as s:
