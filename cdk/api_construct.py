@@ -80,6 +80,11 @@ def _error_template(code: str, message: str | None) -> str:
     return template
 
 
+# The WAF counts an address's requests over a sliding 5 minutes and re-checks
+# it about every 30 s (AWS's rate-based rule): the wait before a retry may pass.
+_WAF_RETRY_AFTER_S = 30
+
+
 def _too_large_body(max_bytes: int) -> str:
     """The app's 413 for a body over max_bytes (sluice.api.app.BodyLimit), word for word."""
     err = ApiError(413, "payload_too_large", f"request body is over {max_bytes} bytes",
@@ -288,11 +293,16 @@ class Api(Construct):
                     {"managedRuleGroupStatement": {"vendorName": "AWS", "name": "AWSManagedRulesKnownBadInputsRuleSet"}},
                     managed=True,
                 ),
+                # Answered as the app answers a key over its rate: a 403 (the
+                # WAF's default) would read as a bad key, and go unretried.
                 rule(
                     "RatePerIp",
                     1,
                     {"rateBasedStatement": {"limit": config.waf_rate_limit_per_5min, "aggregateKeyType": "IP"}},
                     managed=False,
+                    block={"customResponse": {
+                        "responseCode": 429, "customResponseBodyKey": "rate_limited",
+                        "responseHeaders": [{"name": "Retry-After", "value": str(_WAF_RETRY_AFTER_S)}]}},
                 ),
                 # After the rate cap, so that a flood of large bodies still counts against it.
                 rule(
@@ -312,6 +322,8 @@ class Api(Construct):
             ],
             custom_response_bodies={
                 "payload_too_large": {"contentType": "APPLICATION_JSON", "content": _too_large_body(MAX_BODY_BYTES)},
+                "rate_limited": {"contentType": "APPLICATION_JSON", "content": json.dumps(ApiError(
+                    429, "rate_limited", "too many requests from this address").body(), separators=(",", ":"))},
             },
         )
         stage_arn = Stack.of(self).format_arn(

@@ -168,3 +168,16 @@ def test_the_content_length_pattern_matches_exactly_the_numbers_over_the_limit(l
         assert bool(compiled.search("00" + str(n))) is (n > limit), n  # leading zeros are still the number
     for junk in ("", "abc", "-5", "1e9", "12 34", str(limit + 1) + "x"):
         assert not compiled.search(junk), junk
+
+
+def test_the_waf_rate_cap_answers_the_apps_429_not_a_403(synth, backend):
+    """A client over the WAF's per-IP cap is throttled, not refused: a 403
+    would read as a bad key, and the client would not retry."""
+    (acl,) = resources(synth.raw[backend], "AWS::WAFv2::WebACL").values()
+    props = acl["Properties"]
+    (rule,) = [r for r in props["Rules"] if "RateBasedStatement" in r["Statement"]]
+    block = rule["Action"]["Block"]["CustomResponse"]
+    assert block["ResponseCode"] == 429
+    assert {h["Name"]: h["Value"] for h in block["ResponseHeaders"]}["Retry-After"].isdigit()
+    body = json.loads(props["CustomResponseBodies"][block["CustomResponseBodyKey"]]["Content"])
+    assert body["error"]["code"] == "rate_limited" and body["error"]["details"] == []
