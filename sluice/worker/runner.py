@@ -182,6 +182,18 @@ class BatchRunner:
         return outcomes
 
     # -------------------------------------------------------------- finish
+    def acknowledge(self, messages: list[Received]) -> None:
+        """Delete the messages of tasks settled without running (expired,
+        already final, not a task) when their batch goes back unrun. A failed
+        delete is logged: the message comes back after its visibility timeout,
+        and its next receive acknowledges it."""
+        if not messages:
+            return
+        try:
+            self.queues.delete_many(messages)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on; nothing is lost
+            log.warning("could not delete %d settled messages: %s", len(messages), type(exc).__name__)
+
     def finish(self, prepared: Prepared, outcomes: list[Outcome], release=None) -> None:
         """`release` is told which messages the queue calls below settle, just
         before them, so that nothing extends their visibility afterwards."""
@@ -302,8 +314,13 @@ class Pipeline:
                 # the ones prepared behind it go back rather than run after it:
                 # at once, then their starts are taken back (a claim another
                 # worker makes meanwhile keeps its own: lifecycle.unclaim).
-                self.give_back(batch)
+                # What prepare settled stays settled: the messages of tasks
+                # expired or already final are deleted, and those handed back
+                # for another worker's model keep their delay.
+                self.give_back([d for job in prepared.claimed for d in job.deliveries])
                 unclaim_within(self.runner.store, prepared.claimed)
+                self.on_done(batch)
+                self.runner.acknowledge(prepared.ack)
                 continue
             self.inferring_since = time.monotonic()
             try:

@@ -5,6 +5,7 @@ than failing it as one that kept killing its worker."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -281,3 +282,39 @@ def test_a_stopping_worker_hands_back_first_and_waits_on_the_take_back_a_bounded
     finally:
         table_answers.set()
     wait_for(lambda: store.get(task_id).attempts == 0, 10, "the start taken back once the table answers")
+
+
+def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch(settings, runner):
+    """What prepare settled stays settled: the messages of a task that expired or
+    was already final are deleted, not handed back for another receive."""
+    service = TaskService(settings)
+    ok, cancelled, late = submit(settings, "ok", "cancelled", "late")
+    service.cancel("tenant-a", cancelled)
+    batch = receive(settings, [ok, cancelled, late])
+    body = json.loads(batch[2].body)
+    body["deadline_at"] = 1  # its deadline passed, without waiting for it
+    batch[2].body = json.dumps(body)
+
+    given, released = [], []
+    taken = iter([batch])
+    pipeline = Pipeline(runner, lambda: next(taken, []), released.extend,
+                        lambda messages, delay_s=0: given.extend(messages))
+    prepare = runner.prepare
+
+    def prepared_then_stopping(*args):
+        prepared = prepare(*args)
+        pipeline.stopping.set()  # the stop comes while the batch waits for inference
+        return prepared
+
+    runner.prepare = prepared_then_stopping
+    worker = threading.Thread(target=pipeline.run, daemon=True)
+    worker.start()
+    worker.join(15)
+    assert not worker.is_alive()
+    assert [m.task().task_id for m in given] == [ok]
+    queue = PriorityQueues(settings)
+    attributes = queue.sqs.get_queue_attributes(
+        QueueUrl=queue.url(Priority.normal),
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+    assert sum(int(v) for v in attributes.values()) == 1, "the settled tasks' messages were not deleted"
+    assert {m.receipt_handle for m in batch} <= {m.receipt_handle for m in released + given}
