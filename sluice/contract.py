@@ -156,8 +156,9 @@ class TaskAccepted(BaseModel):
     queue_position: int = Field(description="Approximate number of tasks ahead of this one: those queued at "
                                             "its priority and at the higher ones.")
     estimated_wait_s: float | None = Field(description="The queue position over the rate at which workers "
-                                                       "have lately been taking tasks off the queues; null while "
-                                                       "no such rate is measured (no worker has taken any yet).")
+                                                       "have lately taken tasks off the queues while tasks waited; "
+                                                       "null while no such rate is measured (the queues have not "
+                                                       "held a backlog yet).")
 
 
 class BatchAccepted(BaseModel):

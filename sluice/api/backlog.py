@@ -11,7 +11,12 @@ idle) is read inline too: it would give a queue position from long ago.
 
 Successive readings also measure how fast the workers take tasks off each
 queue (the depth then, plus what was sent since, less the depth now), which
-turns a queue position into an estimated wait.
+turns a queue position into an estimated wait. Only readings with tasks
+waiting at both ends measure it: from a queue the workers keep up with, what
+left is what arrived, not their pace, and under light load that made waits of
+seconds out of none. A queue position counts down at that pace from its
+reading (what the workers took since); the cap is held against the depth
+without it, since stalled workers take nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class QueueBacklog:
 
     def depth(self, priority: Priority) -> int:
         """The depth to hold against the cap: read inline when unknown or near the cap."""
-        estimate = self._estimate(priority)
+        estimate = self._estimate(priority, counted_down=False)
         if estimate is not None and estimate < self._recheck_at:
             return estimate
         return self._read_now(priority)
@@ -62,7 +67,7 @@ class QueueBacklog:
     def estimate(self, priority: Priority) -> int:
         """The depth for a queue-position estimate; when the queue cannot be
         read, the last figure (0 if there is none)."""
-        estimate = self._estimate(priority)
+        estimate = self._estimate(priority, counted_down=True)
         if estimate is not None:
             return estimate
         try:
@@ -86,7 +91,9 @@ class QueueBacklog:
                     read_at, depth, sent = readings[priority]
                     readings[priority] = (read_at, depth, sent + n)
 
-    def _estimate(self, priority: Priority) -> int | None:
+    def _estimate(self, priority: Priority, counted_down: bool) -> int | None:
+        """The last reading plus what was sent since; `counted_down`: less what
+        the workers took since at their measured pace."""
         with self._lock:
             seen = self._seen.get(priority)
             if seen is None:
@@ -98,9 +105,10 @@ class QueueBacklog:
             renew = age >= self.max_age_s and priority not in self._renewing
             if renew:
                 self._renewing.add(priority)
+            taken = self._rate.get(priority, 0.0) * age if counted_down else 0.0
         if renew:
             self._pool.submit(self._renew, priority)
-        return depth + sent
+        return max(0, round(depth + sent - taken))
 
     def _renew(self, priority: Priority) -> None:
         try:
@@ -120,7 +128,7 @@ class QueueBacklog:
             base = self._rate_base.get(priority)
             if base is None or read_at - base[0] >= _RATE_WINDOW_S:
                 self._rate_base[priority] = (read_at, depth, 0)
-            if base and read_at - base[0] >= _RATE_WINDOW_S:
+            if base and read_at - base[0] >= _RATE_WINDOW_S and base[1] > 0 and depth > 0:
                 then, depth_then, sent = base
                 taken = max(0, depth_then + sent - depth) / (read_at - then)
                 old = self._rate.get(priority)

@@ -170,3 +170,49 @@ def test_what_was_sent_between_close_readings_counts_in_the_drain_rate():
     read.depth = 950  # 10 sent, 20 taken
     backlog.depth(Priority.low)
     assert backlog.drain_rate() == pytest.approx(40 / 0.6)
+
+
+def measured_at_30_a_second(read, clock) -> QueueBacklog:
+    """A backlog whose normal queue was seen drained at 30 tasks/s while it held a backlog, now at 60."""
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, clock=clock)
+    backlog.depth(Priority.normal)
+    backlog.sent(Priority.normal, 20)
+    clock.now += 2
+    read.depth = 60
+    backlog._read_now(Priority.normal)
+    assert backlog.drain_rate() == 30.0
+    return backlog
+
+
+def test_a_queue_the_workers_keep_up_with_measures_no_drain_rate():
+    # What left an empty queue is what arrived: the workers' pace is unknown, not
+    # the arrival rate, which under light load made waits of seconds out of none.
+    read, clock = Counter(0), Clock()
+    backlog = QueueBacklog(read, cap=1000, max_age_s=1, clock=clock)
+    backlog.depth(Priority.normal)
+    backlog.sent(Priority.normal, 3)
+    clock.now += 2
+    backlog._read_now(Priority.normal)
+    assert backlog.drain_rate() is None
+
+
+def test_an_idle_spell_keeps_the_drain_rate_measured_under_load():
+    read, clock = Counter(100), Clock()
+    backlog = measured_at_30_a_second(read, clock)
+    for _ in range(3):
+        clock.now += 2
+        read.depth = 0
+        backlog._read_now(Priority.normal)
+    assert backlog.drain_rate() == 30.0
+
+
+def test_a_queue_position_counts_down_at_the_measured_pace_since_its_reading():
+    read, clock = Counter(100), Clock()
+    backlog = measured_at_30_a_second(read, clock)
+    backlog.sent(Priority.normal, 10)
+    clock.now += 0.5
+    assert backlog.estimate(Priority.normal) == 55  # 60 read + 10 sent - 15 taken since, at 30/s
+    assert backlog.depth(Priority.normal) == 70  # the cap is held against what may still be there
+    clock.now += 0.4
+    read.depth = 999  # no new reading under 1 s: the estimate alone answers
+    assert backlog.estimate(Priority.normal) == 43
