@@ -3,6 +3,8 @@ dispatcher Lambda that drains the priority queues in batches."""
 
 from __future__ import annotations
 
+import re
+
 from aws_cdk import ArnFormat, Duration, Stack
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_ecr_assets as ecr_assets
@@ -95,9 +97,14 @@ class SageMakerWorkers(Construct):
                 )
             ],
         )
+        # Named after the instance type: SageMaker refuses to update an endpoint
+        # whose variant is an autoscaling target to another instance type, and
+        # the stack's update would roll back. Another type makes a new endpoint
+        # (and scaling target); the old one serves until CloudFormation removes it.
+        per_instance_type = "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", config.sagemaker_instance_type))
         self.endpoint = sagemaker.CfnEndpoint(
             self,
-            "Endpoint",
+            f"Endpoint{per_instance_type}",
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
             # An update (a new image, a changed setting) keeps the instance count
             # autoscaling reached, rather than dropping to min_instances under load.
@@ -111,7 +118,7 @@ class SageMakerWorkers(Construct):
 
         target = appscaling.ScalableTarget(
             self,
-            "Scaling",
+            f"Scaling{per_instance_type}",
             service_namespace=appscaling.ServiceNamespace.SAGEMAKER,
             resource_id=f"endpoint/{self.endpoint_name}/variant/{VARIANT}",
             scalable_dimension="sagemaker:variant:DesiredInstanceCount",

@@ -953,3 +953,27 @@ def test_the_eks_worker_rollout_replaces_pods_in_place(synth):
     max_nodes: a surge pod would never schedule and the rollout would stall."""
     strategy = worker_deployment(synth.raw["eks"])["spec"]["strategy"]
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_another_instance_type_brings_a_new_endpoint_rather_than_updating_the_scaled_one(synth, tmp_path):
+    # SageMaker refuses to update an endpoint whose variant is an autoscaling
+    # target to another instance type: the stack's update would fail and roll
+    # back. A new endpoint (and scaling target) is made instead, then the old removed.
+    from cdk.build import build_app, new_app
+
+    image = tmp_path / "image"
+    (image / "containers" / "worker").mkdir(parents=True)
+    (image / "containers" / "worker" / "Dockerfile").write_text("FROM scratch\n")
+    app = new_app(context={"sluice.image_directory": str(image), "sluice.backends": "sagemaker",
+                           "sluice.sagemaker_instance_type": "ml.g6.2xlarge"}, outdir=str(tmp_path / "out"))
+    app, stacks = build_app(app)
+    other = app.synth().get_stack_by_name(stacks["sagemaker"].stack_name).template
+
+    def logical_ids(template, type_):
+        return set(resources(template, type_))
+
+    for type_ in ("AWS::SageMaker::Endpoint", "AWS::ApplicationAutoScaling::ScalableTarget"):
+        before, after = logical_ids(synth.raw["sagemaker"], type_), logical_ids(other, type_)
+        assert len(before) == len(after) == 1 and before != after, type_
+    # Nothing else is replaced by it but what names the endpoint.
+    assert logical_ids(synth.raw["sagemaker"], "AWS::SageMaker::Model") == logical_ids(other, "AWS::SageMaker::Model")
