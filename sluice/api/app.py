@@ -57,7 +57,7 @@ def _errors(*statuses: int) -> dict:
 # Every route behind the key check: no key, a bad key, the rate limit, a table that does not answer.
 _AUTHED = (401, 403, 429, 503)
 _SUBMIT_ERRORS = _errors(400, *_AUTHED, 409, 413, 415, 422)
-_HTTP_CODES = {400: "malformed_body", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+_HTTP_CODES = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 # The parameters' rules are the contract's types; only where each is read is said here.
 TaskIdParam = Annotated[TaskId, Path()]
 IdempotencyKeyHeader = Annotated[
@@ -202,10 +202,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The framework's own errors (a body that is not UTF-8, an unknown
         # route, a wrong method) in the same error contract as ours.
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        # Its 400s are bodies that could not be parsed at all (not UTF-8, a
-        # number too long to convert): the body is the field at fault.
-        details = [ErrorDetail(field="body", rule=f"unparseable: {exc.detail}")] if exc.status_code == 400 else []
-        err = ApiError(exc.status_code, code, str(exc.detail), details)
+        message = str(exc.detail)
+        details = []
+        if exc.status_code == 400:
+            # Bodies that could not be parsed at all (not UTF-8, nested too
+            # deep, a number too long to convert): to a client the same as
+            # JSON that breaks off, so the same code; the body is at fault.
+            message = "the request body is not valid JSON"
+            details = [ErrorDetail(field="body", rule=f"unparseable: {exc.detail}")]
+        err = ApiError(exc.status_code, code, message, details)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)

@@ -137,14 +137,18 @@ def test_invalid_requests_name_the_field_and_leave_nothing_behind(api, settings,
     assert nothing_recorded(settings)
 
 
-def test_malformed_json_is_400(api, settings):
-    response = api.post("/v1/tasks", content=b'{"model": "synthetic", "inputs": [',
+@pytest.mark.parametrize("body, where", [
+    (b'{"model": "synthetic", "inputs": [', "at character"),  # where the body broke is said in the rule
+    (b'\xff\xfe{"model": "synthetic", "inputs": ["x"]}', "unparseable"),  # not UTF-8, as JSON must be
+    (b"[" * 100_000 + b"]" * 100_000, "unparseable"),  # nested past what a parser follows
+], ids=["truncated", "not utf-8", "nested too deep"])
+def test_malformed_json_is_400(api, settings, body, where):
+    response = api.post("/v1/tasks", content=body,
                         headers={"x-api-key": api.key_a, "content-type": "application/json"})
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "malformed_json"
-    # Where the body broke is said in the rule; the field is the body.
-    assert [d["field"] for d in error["details"]] == ["body"] and "at character" in error["details"][0]["rule"]
+    assert error["code"] == "malformed_json" and error["message"] == "the request body is not valid JSON"
+    assert [d["field"] for d in error["details"]] == ["body"] and where in error["details"][0]["rule"]
     assert nothing_recorded(settings)
 
 
