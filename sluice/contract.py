@@ -138,7 +138,8 @@ class SubmitRequest(_Strict):
         strict=True,
         ge=1,
         le=MAX_DEADLINE_S,
-        description="Seconds from now after which the task is no longer worth running.",
+        description="Seconds from now after which the task is no longer worth running: a whole number "
+                    "written without a fraction or exponent (10, not 10.0 or 1e1).",
     )
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
         default=None, max_length=MAX_METADATA_KEYS
