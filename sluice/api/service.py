@@ -9,7 +9,8 @@ be a task `queued` forever with no message to run it.
 With an Idempotency-Key the task id is derived from (tenant, key), so a retried
 submit finds the task it created the first time. Each submit writes its own
 token on the record; a retry re-sends the message and then claims the record
-with its token, so the first try's pending compensation can no longer delete it.
+it read with its token (only while that record still holds the token it read),
+so the first try's pending compensation can no longer delete it.
 A retry never deletes a record: the task may be one already accepted (202).
 The claim records when its message went out (`resent_at`); a retry that finds
 it younger than RESEND_INTERVAL_S does not send again.
@@ -407,11 +408,17 @@ class TaskService:
             raise unavailable("the queue") from None
         self.backlog.sent(message.priority, 1)
         try:
-            # The claim records the re-send too, only once the message went out.
+            # The claim records the re-send too, only once the message went out,
+            # and only on the record read: one written afresh since (its first
+            # try rolled back, another retry created it) is that retry's, and
+            # its rollback may still delete it.
+            only_if = {"submit_token": existing.submit_token} if existing.submit_token else {}
             self.store.apply(Change(existing.task_id, {"submit_token": token, "resent_at": now_ms()},
-                                    (TaskStatus.queued,)))
+                                    (TaskStatus.queued,), only_if=only_if))
         except TransitionRejected as rejected:
-            return None if rejected.current is None else self._accepted(rejected.current, depth)
+            if rejected.current is None or rejected.current.status == TaskStatus.queued:
+                return None  # not claimed: the caller's next round reads the record again
+            return self._accepted(rejected.current, depth)
         except (BotoCoreError, ClientError):
             # The claim may or may not have landed; the record stays either way.
             # If the first try's rollback deletes it, the worker drops the

@@ -11,7 +11,7 @@ from botocore.exceptions import EndpointConnectionError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.api.errors import ApiError
-from sluice.api.service import TaskService, batch_task_id, request_hash
+from sluice.api.service import TaskService, batch_task_id, idempotent_task_id, request_hash
 from sluice.contract import (
     MAX_DEADLINE_S,
     MESSAGE_RETENTION_S,
@@ -163,6 +163,30 @@ def test_a_cancel_of_a_task_rolled_back_meanwhile_is_not_found(service):
     with pytest.raises(ApiError) as refused:
         service.cancel("t", task_id)
     assert refused.value.status == 404
+
+
+def test_a_retry_answers_202_only_for_the_record_it_claimed(settings):
+    """B, a retry, finds A's record; A's rollback deletes it before B's claim;
+    C, a third try, writes it afresh just then. B's claim did not land, so B
+    must not answer 202 for C's record, which C's own rollback may delete."""
+    task_id = idempotent_task_id("t", "raced")
+    a, b, c = TaskService(settings), TaskService(settings), TaskService(settings)
+    a.store.create(a._build("t", REQUEST, task_id)[0], "token-a")  # A: record written, message not yet sent
+    send, get = b.queues.send, b.store.get
+
+    def sent_then_a_rolls_back(message):
+        send(message)
+        a.store.delete_if_queued(task_id, "token-a")  # A's send failed: its rollback lands
+
+    def c_writes_first(task_id_):  # B's rejected claim reads the record back
+        if c.store.get(task_id) is None:
+            c.store.create(c._build("t", REQUEST, task_id)[0], "token-c")  # C: record written, no message yet
+        return get(task_id_)
+
+    b.queues.send, b.store.get = sent_then_a_rolls_back, c_writes_first
+    assert b.submit("t", REQUEST, "raced").status == TaskStatus.queued  # B: 202
+    c.store.delete_if_queued(task_id, "token-c")  # C's send failed: its rollback
+    assert get(task_id) is not None, "B answered 202 for a task that is gone"
 
 
 # ---------------------------------------------------------- the record's TTL
