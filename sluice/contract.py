@@ -267,7 +267,8 @@ class TaskMessage(_Strict):
     inputs: list[str] | None = None
     inputs_key: str | None = Field(default=None, description="S3 key of the inputs (claim check).")
     deadline_at: int | None = None
-    enqueued_at: int
+    enqueued_at: int = Field(description="Its task record's created_at: a claim holds the message to that "
+                                         "record, not a later task's under the same id (sluice.lifecycle).")
 
     @model_validator(mode="after")
     def _inputs_inline_xor_by_key(self) -> TaskMessage:

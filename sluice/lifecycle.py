@@ -9,7 +9,10 @@ ceiling (docs/benchmarks.md).
 Claiming: past its deadline a task becomes `expired`. A first delivery is
 checked with one BatchGetItem for the whole batch: a missing record (its submit
 was rolled back) or a final one (a duplicate, a cancel) is acknowledged without
-running. A redelivery means an earlier attempt ended without an outcome (a
+running. So is a message of an earlier task under the same id (its
+Idempotency-Key's task outlived its TTL and the key made a new one): every
+claim and expiry holds a message to the record created when it was (its
+`enqueued_at` is the record's `created_at`). A redelivery means an earlier attempt ended without an outcome (a
 worker died, a reply was lost), so its start is recorded: a conditional update
 (`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
 task that keeps killing its worker from one that was only handed back. So a
@@ -120,7 +123,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     for job in jobs:
         job.started_at = now
         if job.message.deadline_at is not None and job.message.deadline_at <= now:
-            expiries.append(expire(job.message.task_id, now))
+            expiries.append(expire(job.message.task_id, now, job.message.enqueued_at))
             result.expired.append(job)
         elif job.attempts > 1:
             redelivered.append(job)
@@ -128,7 +131,8 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
             first.append(job)
     # Rejected expiries are already final or missing: acknowledged all the same.
     changes = expiries + [
-        Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True, returns_old=True)
+        Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True, returns_old=True,
+               only_if={"created_at": j.message.enqueued_at})
         for j in redelivered
     ]
     applied = store.apply_each(changes) if changes else Applied()
@@ -136,7 +140,8 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     try:
         if applied.errored:
             raise next(iter(applied.errored.values()))
-        statuses = store.statuses(j.message.task_id for j in first) if first else {}
+        statuses = store.statuses([j.message.task_id for j in first],
+                                  created={j.message.task_id: j.message.enqueued_at for j in first}) if first else {}
     except Exception:
         unclaim(store, redelivered)
         raise

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
@@ -258,11 +258,18 @@ class TaskStore:
     def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
         return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids) if not _outlived(item)}
 
-    def statuses(self, task_ids: Iterable[str]) -> dict[str, TaskStatus]:
+    def statuses(self, task_ids: Iterable[str], created: Mapping[str, int] | None = None) -> dict[str, TaskStatus]:
         """Only the status of each task that exists: what a worker's claim
-        reads for every batch, without a record's result, error or metadata."""
-        projection = {"ProjectionExpression": "task_id, #s", "ExpressionAttributeNames": {"#s": "status"}}
-        return {item["task_id"]["S"]: TaskStatus(item["status"]["S"]) for item in self._batch_get(task_ids, projection)}
+        reads for every batch, without a record's result, error or metadata.
+        `created`: the created_at each record must have, by task id; a record
+        of another (a later task under the same Idempotency-Key) is left out."""
+        projection = {"ProjectionExpression": "task_id, #s, created_at, expires_at",
+                      "ExpressionAttributeNames": {"#s": "status"}}
+        return {
+            item["task_id"]["S"]: TaskStatus(item["status"]["S"])
+            for item in self._batch_get(task_ids, projection)
+            if not _outlived(item) and (created is None or int(item["created_at"]["N"]) == created[item["task_id"]["S"]])
+        }
 
     def _batch_get(self, task_ids: Iterable[str], options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(dict.fromkeys(task_ids))
@@ -368,12 +375,14 @@ _REJECTED = object()  # _apply_one's answer for a change whose condition failed
 DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
-def expire(task_id: str, now: int) -> Change:
+def expire(task_id: str, now: int, created_at: int | None = None) -> Change:
     """A task past its deadline without an outcome: the claim of a worker (or
-    the dispatcher) and the API's read of it write the same change."""
+    the dispatcher) and the API's read of it write the same change.
+    `created_at`: only the record of the task created then (a message's)."""
     # The error says why the task has no result; a cancelled task needs none (the client did it).
     return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now, "error_code": DEADLINE_EXCEEDED,
-                            "error_message": "its deadline passed before a worker ran it"}, (TaskStatus.queued,))
+                            "error_message": "its deadline passed before a worker ran it"}, (TaskStatus.queued,),
+                  only_if={"created_at": created_at} if created_at is not None else {})
 
 
 def _until_processed(send: Callable[[dict], dict], request: dict, tries: int = 6) -> dict:

@@ -2,6 +2,7 @@
 lasts: in-process TaskService (and worker) against the emulator."""
 
 import itertools
+import json
 import threading
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from sluice.contract import (
 )
 from sluice.dlq import settle_dead
 from sluice.lifecycle import Job, claim
+from sluice.worker.runner import hand_back
 
 REQUEST = SubmitRequest(model="synthetic", inputs=["again"])
 
@@ -286,3 +288,30 @@ def test_an_idempotency_key_whose_task_is_past_its_ttl_creates_a_new_task(servic
     assert again.task_id == first.task_id and again.status == TaskStatus.queued
     record = service.store.get(again.task_id)
     assert record.status == TaskStatus.queued and record.request_hash == request_hash(other)
+
+
+@pytest.mark.parametrize("delivery", ["first", "redelivered", "past its deadline"])
+def test_a_message_of_an_earlier_task_under_a_reused_key_never_runs_as_the_new_one(service, settings, runner,
+                                                                                   delivery):
+    # Once a key's task has outlived its TTL the key makes a new task under the
+    # same id; a message of the old one still about (re-sent by a retry, redriven
+    # from a DLQ) carries the old inputs, and must not run or settle the new task.
+    old = service.submit("t", REQUEST, "reused")
+    queues = PriorityQueues(settings)
+    (message,) = queues.receive(Priority.normal, 10, 1, 30)
+    outlive_ttl(service.store, old.task_id)
+    other = SubmitRequest(model="synthetic", inputs=["the new task's own input"])
+    assert service.submit("t", other, "reused").task_id == old.task_id
+    new_created = service.store.get(old.task_id).created_at
+    assert message.task().enqueued_at != new_created
+    if delivery == "redelivered":
+        hand_back(queues, [message], 0)
+        message = next(m for m in queues.receive(Priority.normal, 10, 1, 30) if m.receive_count == 2)
+    elif delivery == "past its deadline":
+        body = json.loads(message.body)
+        body["deadline_at"] = 1
+        message.body = json.dumps(body)
+    prepared = runner.prepare([message])
+    assert prepared.jobs == [] and prepared.ack == [message]
+    record = service.store.get(old.task_id)
+    assert (record.status, record.attempts, record.created_at) == (TaskStatus.queued, 0, new_created)
