@@ -403,7 +403,9 @@ def _outlived(item: dict[str, Any]) -> bool:
     and the create treat it as deleted already, so a record lasts as long as
     its TTL says wherever Sluice runs."""
     expires_at = item.get("expires_at")
-    return expires_at is not None and int(expires_at["N"]) < time.time()
+    # Whole seconds, as the create's condition compares: within the second a
+    # record expires, both see it alike.
+    return expires_at is not None and int(expires_at["N"]) < int(time.time())
 
 
 def _key(task_id: str) -> dict[str, Any]:
