@@ -11,7 +11,7 @@ processes. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops workers first
 sessions of their own, so nothing else would stop them. The same during start-up
 stops it at once; a second one kills every child without waiting out its grace.
 On Linux each child also gets SIGTERM if the launcher itself dies (kill -9, the
-OOM killer), so none is left holding its port. A worker that exits is
+OOM killer), and each emulator SIGKILL, so none is left holding its port. A worker that exits is
 restarted after a delay that doubles with each exit in a row (1 s, 2 s, ... 30 s);
 one that exits WORKER_RESTART_LIMIT times in a row without becoming ready ends
 the launcher with an error, rather than restarting forever.
@@ -130,10 +130,13 @@ DDB_EMULATORS = ("moto", "dynalite")
 
 # prctl(2): the signal a process gets when the thread that forked it exits.
 PR_SET_PDEATHSIG = 1
+# What an emulator gets when the launcher dies: it holds nothing but memory,
+# and LocalStack does not exit on SIGTERM while it answers a worker's long poll.
+EMULATOR_DEATH_SIGNAL = signal.SIGKILL
 
 
-def die_with_launcher() -> Callable[[], None] | None:
-    """On Linux, a preexec_fn that has the child sent SIGTERM when the launcher
+def die_with_launcher(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """On Linux, a preexec_fn that has the child sent `sig` when the launcher
     dies, however it dies: with kill -9 or the OOM killer no handler runs to stop
     the children, and each (in a session of its own) would keep running, holding
     its port against the next `make run`. The kernel ties the signal to the
@@ -149,10 +152,10 @@ def die_with_launcher() -> Callable[[], None] | None:
     launcher = os.getpid()
 
     def preexec() -> None:
-        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0),
+        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(sig), ctypes.c_ulong(0),
               ctypes.c_ulong(0), ctypes.c_ulong(0))
         if os.getppid() != launcher:  # it died before prctl took hold: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
 
     return preexec
 
@@ -311,7 +314,8 @@ class Stack:
     def ddb_url(self) -> str | None:
         return f"http://127.0.0.1:{self.ddb_port}" if self.ddb == "dynalite" and self.ddb_port else None
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               on_launcher_death: int = signal.SIGTERM) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
             offset = log.tell()
@@ -320,7 +324,7 @@ class Stack:
             # Linux, the launcher's death (kill -9 too) sends each child SIGTERM.
             proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
-                                    preexec_fn=die_with_launcher())
+                                    preexec_fn=die_with_launcher(on_launcher_death))
         self.procs[name] = proc
         self.spawned[name] = (offset, time.monotonic())
         return proc
@@ -356,7 +360,8 @@ class Stack:
             command = [str(Path(sys.executable).with_name("moto_server"))]
         else:
             command = [sys.executable, "-m", "onprem.moto_server"]
-        proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)])
+        proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)],
+                           on_launcher_death=EMULATOR_DEATH_SIGNAL)
         sqs = self.start_localstack() if self.sqs == "localstack" else None
         ddb = self.start_dynalite() if self.ddb == "dynalite" else None
         self.wait(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
@@ -369,12 +374,12 @@ class Stack:
         self.ddb_port = self.ddb_port or free_port()
         # In memory; tables are ACTIVE at once instead of after 500 ms.
         return self._spawn("ddb", [str(DYNALITE), "--host", "127.0.0.1", "--port", str(self.ddb_port),
-                                   "--createTableMs", "0"])
+                                   "--createTableMs", "0"], on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
     def start_localstack(self) -> subprocess.Popen:
         self.sqs_port = self.sqs_port or free_port()
         args, env = localstack_command(self.sqs_port, self.log_dir / "localstack-data")
-        return self._spawn("sqs", args, env=env)
+        return self._spawn("sqs", args, env=env, on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
     def bootstrap(self) -> None:
         saved = dict(os.environ)

@@ -17,6 +17,7 @@ import stat as stat_mode
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -227,10 +228,12 @@ def test_sighup_stops_every_process_the_launcher_started(tmp_path, how):
 
 
 @pytest.mark.slow
-def test_a_killed_launcher_takes_every_process_it_started_with_it(tmp_path):
+@pytest.mark.parametrize("sqs", ["moto", "localstack"])
+def test_a_killed_launcher_takes_every_process_it_started_with_it(tmp_path, sqs):
     # kill -9, the OOM killer, an IDE's stop button: no handler runs, yet nothing
-    # may be left holding the port against the next `make run`.
-    launcher = Launcher(launcher_args(free_port()), launcher_env(tmp_path))
+    # may be left holding the port against the next `make run`. LocalStack (make
+    # run's SQS) does not exit on SIGTERM while it answers a worker's long poll.
+    launcher = Launcher(launcher_args(free_port()), {**launcher_env(tmp_path), "SLUICE_EMBEDDED_SQS": sqs})
     started: set[int] = set()
     try:
         launcher.wait_for(b"Ctrl-C stops everything.", STARTUP_S)
@@ -238,6 +241,16 @@ def test_a_killed_launcher_takes_every_process_it_started_with_it(tmp_path):
         assert len(started) >= 3 and all(alive(p) for p in started), started
         # The state file holds the API key: for this user only.
         assert stat_mode.S_IMODE((tmp_path / "embedded.json").stat().st_mode) == 0o600
+        # Killed at work: a task run end to end, the worker long-polling its queues.
+        state = json.loads((tmp_path / "embedded.json").read_text())
+        headers = {"x-api-key": state["api_key"], "content-type": "application/json"}
+        submitted = urllib.request.Request(f"{state['url']}/v1/tasks", method="POST", headers=headers,
+                                           data=b'{"model": "synthetic", "inputs": ["x"]}')
+        with urllib.request.urlopen(submitted, timeout=30) as answer:
+            task_id = json.loads(answer.read())["task_id"]
+        polled = urllib.request.Request(f"{state['url']}/v1/tasks/{task_id}?wait_s=20", headers=headers)
+        with urllib.request.urlopen(polled, timeout=30) as answer:
+            assert json.loads(answer.read())["status"] == "succeeded"
         launcher.proc.kill()
         launcher.proc.wait(10)
         left = wait_gone(started, STOP_S)
