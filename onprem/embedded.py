@@ -24,6 +24,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -543,6 +544,10 @@ def print_banner(stack: Stack, key: str) -> None:
     url = stack.url
     model = served_models(stack)[0]
     cli_model = "" if model == "minilm-embed" else f" --model {model}"  # the CLI's default
+    # The CLI finds the stack by its state file, in .sluice unless told otherwise.
+    cli = ".venv/bin/sluice"
+    if Path(STATE_DIR).resolve() != (ROOT / ".sluice").resolve():
+        cli = f"SLUICE_STATE_DIR={shlex.quote(str(STATE_DIR))} {cli}"
     say(
         f"""
 Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: LocalStack on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
@@ -553,8 +558,8 @@ Demo API key (tenant "demo"): {key}
   curl -s -X POST {url}/v1/tasks -H "x-api-key: $SLUICE_API_KEY" -H 'content-type: application/json' \\
        -d '{{"model": "{model}", "inputs": ["The cat sits on the mat."], "priority": "high"}}'
   curl -s {url}/v1/tasks/TASK_ID -H "x-api-key: $SLUICE_API_KEY"
-  .venv/bin/sluice submit{cli_model} --wait "The cat sits on the mat."
-  .venv/bin/sluice keys create --tenant team-a
+  {cli} submit{cli_model} --wait "The cat sits on the mat."
+  {cli} keys create --tenant team-a
 
 Ctrl-C stops everything. A second Ctrl-C kills it all at once.
 """,

@@ -352,6 +352,18 @@ def test_the_banner_submits_to_a_model_the_stack_serves(capsys):
     assert "sluice submit --model synthetic --wait" in out, out
 
 
+@pytest.mark.parametrize("state_dir", [None, "/tmp/sluice-2"])
+def test_the_banner_s_cli_commands_reach_this_stack(capsys, monkeypatch, state_dir):
+    # The CLI finds the stack by its state file: a second stack's lives elsewhere.
+    if state_dir:
+        monkeypatch.setattr(embedded, "STATE_DIR", Path(state_dir))
+    print_banner(Stack(api_port=8001, sqs="moto", ddb="moto"), "sk_demo")
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines() if "bin/sluice " in line]
+    assert len(commands) == 2, commands
+    prefix = f"SLUICE_STATE_DIR={state_dir} .venv/bin/sluice " if state_dir else ".venv/bin/sluice "
+    assert all(c.startswith(prefix) for c in commands), commands
+
+
 def test_a_busy_api_port_is_refused_before_anything_starts(tmp_path):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
