@@ -71,7 +71,7 @@ def _use_embedded_endpoints() -> None:
         # All of it, the region and keys too: the emulator's resources exist in
         # its region only, and a profile of the operator's has no say here.
         os.environ.update(env)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
             os.environ.pop(name, None)
         endpoints = ", ".join(v for k, v in sorted(env.items()) if k.startswith("AWS_ENDPOINT_URL"))
         print(f"sluice: using the `make run` emulator at {endpoints} ({STATE_FILE})", file=sys.stderr)
@@ -111,7 +111,10 @@ def _base_url(args) -> str:
     return getattr(args, "url", None) or os.environ.get("SLUICE_URL") or _state().get("url") or "http://127.0.0.1:8000"
 
 
-def _call(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict, Message]:
+def _call(method: str, path: str, body: dict | None = None, args=None,
+          timeout_s: float | None = None) -> tuple[int, dict, Message]:
+    """`timeout_s`: how long to wait for the answer (_TIMEOUT_S by default)."""
+    timeout_s = _TIMEOUT_S if timeout_s is None else timeout_s
     url = _base_url(args)
     key = getattr(args, "api_key", None) or os.environ.get("SLUICE_API_KEY") or _state().get("api_key")
     request = urllib.request.Request(
@@ -122,7 +125,7 @@ def _call(method: str, path: str, body: dict | None = None, args=None) -> tuple[
     )
     try:
         try:
-            response = _OPENER.open(request, timeout=_TIMEOUT_S)
+            response = _OPENER.open(request, timeout=timeout_s)
         except urllib.error.HTTPError as err:  # an answer all the same
             response = err
         with response:
@@ -131,7 +134,7 @@ def _call(method: str, path: str, body: dict | None = None, args=None) -> tuple[
         raise ApiUnusable(f"sluice: cannot reach {url}: {err.reason}", transient=True) from None
     # A connection dropped, reset or silent once the request was sent: urlopen raises these unwrapped.
     except (OSError, http.client.HTTPException) as err:
-        reason = (f"no answer within {_TIMEOUT_S:g} s" if isinstance(err, TimeoutError)
+        reason = (f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError)
                   else f"{type(err).__name__}: {err}")
         raise ApiUnusable(f"sluice: cannot reach {url}: {reason}", transient=True) from None
     if 300 <= status < 400:
@@ -141,19 +144,23 @@ def _call(method: str, path: str, body: dict | None = None, args=None) -> tuple[
         base = base[:-len(route)] if base.endswith(route) else base
         raise ApiUnusable(f"sluice: the API answered a redirect ({status}) to {target}; use --url {base}",
                           transient=False)
-    return status, _json(raw), headers
+    try:
+        payload = json.loads(raw or b"{}")
+    except ValueError:
+        payload = None
+    if status < 300 and not isinstance(payload, dict):
+        # Another service at the URL (a login proxy, a web page): a success from
+        # it would read as a task submitted or found.
+        shown = raw.decode("utf-8", "replace")[:200].replace("\n", " ")
+        raise ApiUnusable(f"sluice: {url} answered {status} with a body that is not the Sluice API's JSON: {shown}",
+                          transient=False)
+    if payload is None:  # an error page (a proxy's, a gateway's): shown as it came
+        payload = {"error": {"code": "not_json", "message": raw.decode("utf-8", "replace")[:2000]}}
+    return status, payload, headers
 
 
 def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict]:
     return _call(method, path, body, args)[:2]
-
-
-def _json(raw: bytes) -> dict:
-    """An answer that is not the API's JSON (a proxy's or gateway's page) is shown as it came."""
-    try:
-        return json.loads(raw or b"{}")
-    except ValueError:
-        return {"error": {"code": "not_json", "message": raw.decode("utf-8", "replace")[:2000]}}
 
 
 def _print(status: int, payload: dict) -> int:
@@ -190,7 +197,9 @@ def cmd_submit(args) -> int:
         # Long poll: the API answers as soon as the task is final.
         wait_s = round(min(remaining, 20), 1)
         try:
-            status, payload, headers = _call("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args)
+            # Given up with the --timeout, give or take the answer's way back, not 30 s later.
+            status, payload, headers = _call("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args,
+                                             timeout_s=min(_TIMEOUT_S, wait_s + 5))
         except ApiUnusable as exc:
             if not exc.transient:
                 return _not_followed(task_id, str(exc).removeprefix("sluice: "))

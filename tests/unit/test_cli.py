@@ -161,10 +161,11 @@ def test_the_launchers_region_and_keys_win_over_the_operators(embedded_state, la
     # The emulator's queues exist in its region only; an exported AWS_REGION or profile is for AWS.
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     monkeypatch.setenv("AWS_PROFILE", "production")
+    monkeypatch.setenv("AWS_DEFAULT_PROFILE", "production")  # the older name boto3 still reads
     embedded_state(launcher.pid)
     cli._settings()
     assert os.environ["AWS_REGION"] == "us-east-1" and os.environ["AWS_ACCESS_KEY_ID"] == "embedded"
-    assert "AWS_PROFILE" not in os.environ
+    assert "AWS_PROFILE" not in os.environ and "AWS_DEFAULT_PROFILE" not in os.environ
 
 
 @pytest.mark.parametrize("command, env, named", [

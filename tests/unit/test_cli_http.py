@@ -182,3 +182,38 @@ def test_a_redirect_is_refused_not_followed_with_the_key(monkeypatch, capsys, co
     assert captured.out == ""
     assert captured.err.strip() == (f"sluice: the API answered a redirect (302) to {other}/prod{path}; "
                                     f"use --url {other}/prod")
+
+
+class NotTheApi(BaseHTTPRequestHandler):
+    """Some other service at --url (a login proxy, a web page): 200 with HTML."""
+
+    def do_GET(self):
+        data = b"<html>sign in</html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("command", [["submit", "hello"], ["submit", "--wait", "hello"], ["get", "t1"]])
+def test_a_2xx_that_is_not_the_api_s_json_is_an_error_not_a_success(capsys, command):
+    with serving(NotTheApi) as url:
+        assert cli.main(["--url", url, "--api-key", "k", *command]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "is not the Sluice API's JSON" in captured.err and "<html>" in captured.err, captured.err
+
+
+def test_a_poll_that_never_answers_is_given_up_at_the_timeout_not_after_the_request_s(scripted, capsys):
+    url, api = scripted
+    api.polls = ["hang"]
+    started = time.monotonic()
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "1", "hello"]) == 4
+    assert time.monotonic() - started < 10, "waited out the 30 s request timeout"
+    assert "t1" in capsys.readouterr().err
