@@ -262,3 +262,13 @@ def test_keda_alone_sets_the_worker_replica_count(name):
         deployment = objects[("Deployment", target["name"])]
         assert "replicas" not in deployment["spec"], f"{target['name']} sets replicas; KEDA owns them"
         assert "minReplicaCount" in doc["spec"]  # what the Deployment starts from
+
+
+def test_the_eks_triggers_look_up_the_queues_in_the_workers_region():
+    # KEDA asks SQS in the trigger's awsRegion: set apart from the worker's, it
+    # would look up the queues in another region and never scale.
+    eks = site("eks")
+    config = eks[("ConfigMap", "sluice-config")]["data"]
+    regions = {t["metadata"]["awsRegion"] for t in eks[("ScaledObject", "sluice-worker")]["spec"]["triggers"]}
+    url_regions = {config[f"SLUICE_QUEUE_URL_{p.upper()}"].split(".")[1] for p in PRIORITIES}
+    assert regions == url_regions == {config["AWS_REGION"]}
