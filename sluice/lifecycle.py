@@ -93,6 +93,23 @@ class Job:
 
 
 
+def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
+    """Add a delivery to the batch's job of its task; returns the deliveries
+    this makes stale, to acknowledge unrun. The same task delivered twice is
+    one job. Two messages of one id from different submits (an Idempotency-Key
+    reused once its task outlived its TTL) are two tasks: the later submit's
+    is the record's now, and the earlier's can only be dropped by the claim,
+    which must not take the later one's delivery with it."""
+    job = jobs.get(message.task_id)
+    if job is None or message.enqueued_at > job.message.enqueued_at:
+        jobs[message.task_id] = Job(message, [delivery])
+        return job.deliveries if job is not None else []
+    if message.enqueued_at < job.message.enqueued_at:
+        return [delivery]
+    job.deliveries.append(delivery)
+    return []
+
+
 @dataclass
 class Outcome:
     job: Job

@@ -54,7 +54,7 @@ from sluice.contract import (
     now_ms,
 )
 from sluice.lifecycle import (
-    INVALID_INPUT, Job, Outcome, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    INVALID_INPUT, Job, Outcome, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
     unclaim_unwritten,
 )
 from sluice.settings import Settings
@@ -142,10 +142,7 @@ class Dispatcher:
                 # Not a task: redelivering it cannot help. Acknowledged and logged.
                 log.error("dropping a message that is not a task", extra={"message_id": d.message_id})
                 continue
-            if message.task_id in jobs:
-                jobs[message.task_id].deliveries.append(d)
-            else:
-                jobs[message.task_id] = Job(message, [d])
+            gather(jobs, message, d)  # a stale delivery is left out: acknowledged, as one not in `retry`
         return jobs
 
     def _claim(self, jobs: dict[str, Job]) -> list[Job]:

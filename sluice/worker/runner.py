@@ -37,7 +37,7 @@ from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import BROKEN_AFTER, BrokenModelWatch, run_isolating
 from sluice.lifecycle import (
-    Job, Outcome, OutcomePlan, claim, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
+    Job, Outcome, OutcomePlan, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
     unclaim_unwritten,
 )
 from sluice.settings import Settings
@@ -96,10 +96,7 @@ class BatchRunner:
             if message.model not in self.models and not past_deadline:
                 unserved.setdefault(message.model, []).append(received)
                 continue
-            if message.task_id in jobs:  # the same task delivered twice into one batch
-                jobs[message.task_id].deliveries.append(received)
-            else:
-                jobs[message.task_id] = Job(message, [received])
+            ack += gather(jobs, message, received)
         if unserved:
             self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
 

@@ -315,3 +315,17 @@ def test_a_message_of_an_earlier_task_under_a_reused_key_never_runs_as_the_new_o
     assert prepared.jobs == [] and prepared.ack == [message]
     record = service.store.get(old.task_id)
     assert (record.status, record.attempts, record.created_at) == (TaskStatus.queued, 0, new_created)
+
+
+@pytest.mark.parametrize("old_first", [True, False])
+def test_in_one_batch_the_earlier_task_s_message_under_a_reused_key_is_dropped_alone(service, settings, runner,
+                                                                                     old_first):
+    old = service.submit("t", REQUEST, "reused-in-a-batch")
+    queues = PriorityQueues(settings)
+    (stale,) = queues.receive(Priority.normal, 10, 1, 30)
+    outlive_ttl(service.store, old.task_id)
+    service.submit("t", SubmitRequest(model="synthetic", inputs=["the new one"]), "reused-in-a-batch")
+    (current,) = queues.receive(Priority.normal, 10, 1, 30)
+    prepared = runner.prepare([stale, current] if old_first else [current, stale])
+    assert [job.deliveries for job in prepared.jobs] == [[current]] and prepared.ack == [stale]
+    assert prepared.jobs[0].inputs == ["the new one"]

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from sluice.contract import TaskMessage, now_ms
+from sluice.contract import TaskMessage
 from tests.reliability.harness import CANARY, Ledger, running_stack, wait_until, wait_worker_ready
 
 pytestmark = pytest.mark.slow
@@ -31,8 +31,10 @@ def texts(prefix: str, n: int) -> list[str]:
 
 
 def message_for(env, task_id: str, text: str) -> str:
+    """A copy of the task's message, as SQS's at-least-once delivery may hand out."""
+    created_at = env.inspector.records([task_id])[task_id].created_at
     return TaskMessage(task_id=task_id, tenant_id=env.tenant, model="synthetic", priority="normal", input_count=1,
-                       inputs=[text], enqueued_at=now_ms()).model_dump_json(exclude_none=True)
+                       inputs=[text], enqueued_at=created_at).model_dump_json(exclude_none=True)
 
 
 def restart_worker(env, index: int) -> None:
