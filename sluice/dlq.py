@@ -99,6 +99,20 @@ def _task_id(body: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _record_of(records: dict[str, TaskRecord], body: str) -> TaskRecord | None:
+    """The record of the task that sent this message: one of a later submit
+    under the same id (its Idempotency-Key reused once the task outlived its
+    TTL, while this message waited out its 14 days here) is another task's."""
+    record = records.get(_task_id(body) or "")
+    try:
+        enqueued_at = json.loads(body).get("enqueued_at")
+    except (ValueError, AttributeError):
+        enqueued_at = None
+    if record is None or (isinstance(enqueued_at, int) and record.created_at != enqueued_at):
+        return None
+    return record
+
+
 def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 100, store=None) -> list[dict]:
     """DLQ messages, left where they are. With a TaskStore, each also names its
     task and that task's status: a redriven message of a task that is already
@@ -113,7 +127,7 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
     if store is not None:
         records = store.get_many([i["task_id"] for i in found if i["task_id"]])
         for item in found:
-            record = records.get(item["task_id"]) if item["task_id"] else None
+            record = _record_of(records, item["body"])
             item["task_status"] = record.status.value if record else None
     return found
 
@@ -190,10 +204,11 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 seen.update(m["MessageId"] for m in new)
                 ids = {t for t in (_task_id(m["Body"]) for m in new) if t and t not in known_final}
                 records = store.get_many(ids) if ids else {}
-                known_final.update(t for t, r in records.items() if r.status.is_terminal)
                 requeue = []
                 for m in new:
-                    record = records.get(_task_id(m["Body"]) or "")
+                    record = _record_of(records, m["Body"])
+                    if record is not None and record.status.is_terminal:
+                        known_final.add(record.task_id)
                     if record is None or record.status.is_terminal or settled >= limit:
                         keep.append(m)
                         continue

@@ -173,3 +173,16 @@ def test_settle_limit_is_for_all_priorities_together(operator_env, capsys):
     assert cli.main(["dlq", "settle", "--limit", "1"]) == 0
     assert capsys.readouterr().out.strip() == ("failed 0 tasks, requeued 1 messages; "
                                                "the dead-letter queues still hold about 1 messages")
+
+
+def test_a_dead_letter_of_an_earlier_task_under_the_same_id_leaves_the_new_task_alone(settings):
+    # Its Idempotency-Key was reused once the task outlived its TTL, while this
+    # message waited out its 14 days in the DLQ: the record is another task's.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "reused", attempts=settings.max_attempts)
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": "reused"}},
+                          UpdateExpression="SET created_at = :later", ExpressionAttributeValues={":later": {"N": "5"}})
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 0}
+    assert store.get("reused").status is TaskStatus.queued
+    [listed] = list_dead(queues, [Priority.normal], store=store)
+    assert listed["task_id"] == "reused" and listed["task_status"] is None
