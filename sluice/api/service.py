@@ -73,6 +73,11 @@ _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d7c2e-5b0a-4d8e-9a51-3c2f7e9b1d40")
 RESEND_INTERVAL_S = 60
 
 
+def _resent_lately(record: TaskRecord) -> bool:
+    """Whether a retry re-sent the task's message within RESEND_INTERVAL_S and then claimed its record."""
+    return record.resent_at is not None and abs(now_ms() - record.resent_at) < RESEND_INTERVAL_S * 1000
+
+
 def idempotent_task_id(tenant_id: str, key: str) -> str:
     return uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{tenant_id}\x00{key}").hex
 
@@ -387,7 +392,7 @@ class TaskService:
             raise idempotency_conflict()
         if existing.status != TaskStatus.queued:
             return self._accepted(existing, depth)
-        if existing.resent_at is not None and abs(now_ms() - existing.resent_at) < RESEND_INTERVAL_S * 1000:
+        if _resent_lately(existing):
             # A replay re-sent its message moments ago, after which it claimed
             # the record: the message is queued and no rollback can delete the
             # record (the claim replaced the first try's token), so this retry
@@ -416,9 +421,11 @@ class TaskService:
             self.store.apply(Change(existing.task_id, {"submit_token": token, "resent_at": now_ms()},
                                     (TaskStatus.queued,), only_if=only_if))
         except TransitionRejected as rejected:
-            if rejected.current is None or rejected.current.status == TaskStatus.queued:
-                return None  # not claimed: the caller's next round reads the record again
-            return self._accepted(rejected.current, depth)
+            current = rejected.current
+            if current is not None and (current.status != TaskStatus.queued or _resent_lately(current)):
+                # Final meanwhile, or another retry re-sent its message and claimed it: accepted either way.
+                return self._accepted(current, depth)
+            return None  # gone, or written afresh since: the caller's next round reads it again
         except (BotoCoreError, ClientError):
             # The claim may or may not have landed; the record stays either way.
             # If the first try's rollback deletes it, the worker drops the

@@ -329,3 +329,18 @@ def test_in_one_batch_the_earlier_task_s_message_under_a_reused_key_is_dropped_a
     prepared = runner.prepare([stale, current] if old_first else [current, stale])
     assert [job.deliveries for job in prepared.jobs] == [[current]] and prepared.ack == [stale]
     assert prepared.jobs[0].inputs == ["the new one"]
+
+
+def test_two_retries_at_once_of_an_accepted_task_at_a_full_queue_both_get_it_back(settings):
+    full = settings.model_copy(update={"backlog_cap": 1})
+    first = TaskService(full).submit("t", REQUEST, "both-retry")
+    one, other = TaskService(full), TaskService(full)
+    send = one.queues.send
+
+    def the_other_retry_claims_first(message):
+        send(message)
+        assert other.submit("t", REQUEST, "both-retry").task_id == first.task_id
+
+    one.queues.send = the_other_retry_claims_first
+    again = one.submit("t", REQUEST, "both-retry")  # its claim finds the other's: accepted all the same, not a 429
+    assert again.task_id == first.task_id and again.status == TaskStatus.queued
