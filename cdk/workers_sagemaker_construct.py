@@ -101,7 +101,9 @@ class SageMakerWorkers(Construct):
         # whose variant is an autoscaling target to another instance type, and
         # the stack's update would roll back. Another type makes a new endpoint
         # (and scaling target); the old one serves until CloudFormation removes it.
-        per_instance_type = "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", config.sagemaker_instance_type))
+        # The default type keeps the ids stacks deployed before this had.
+        per_instance_type = "" if config.sagemaker_instance_type == SluiceConfig.sagemaker_instance_type else "".join(
+            part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", config.sagemaker_instance_type))
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             f"Endpoint{per_instance_type}",

@@ -975,5 +975,7 @@ def test_another_instance_type_brings_a_new_endpoint_rather_than_updating_the_sc
     for type_ in ("AWS::SageMaker::Endpoint", "AWS::ApplicationAutoScaling::ScalableTarget"):
         before, after = logical_ids(synth.raw["sagemaker"], type_), logical_ids(other, type_)
         assert len(before) == len(after) == 1 and before != after, type_
+    # The default type keeps the id of stacks deployed before: an upgrade replaces no endpoint.
+    assert logical_ids(synth.raw["sagemaker"], "AWS::SageMaker::Endpoint") == {"WorkersEndpointF46CFCAD"}
     # Nothing else is replaced by it but what names the endpoint.
     assert logical_ids(synth.raw["sagemaker"], "AWS::SageMaker::Model") == logical_ids(other, "AWS::SageMaker::Model")
