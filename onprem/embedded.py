@@ -10,8 +10,8 @@ processes. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops workers first
 (they finish their batch), then the API, then the emulator: the children run in
 sessions of their own, so nothing else would stop them. The same during start-up
 stops it at once; a second one kills every child without waiting out its grace.
-On Linux each child also gets SIGTERM if the launcher itself dies (kill -9, the
-OOM killer), and each emulator SIGKILL, so none is left holding its port. A worker that exits is
+On Linux, if the launcher itself dies (kill -9, the OOM killer), the API and the
+workers get SIGTERM and the emulators SIGKILL, so none is left holding its port. A worker that exits is
 restarted after a delay that doubles with each exit in a row (1 s, 2 s, ... 30 s);
 one that exits WORKER_RESTART_LIMIT times in a row without becoming ready ends
 the launcher with an error, rather than restarting forever.
@@ -322,7 +322,7 @@ class Stack:
             offset = log.tell()
             # Own session: Ctrl-C in the terminal, or the terminal closing, reaches
             # the launcher only, which then stops each child in order. And on
-            # Linux, the launcher's death (kill -9 too) sends each child SIGTERM.
+            # Linux, the launcher's death (kill -9 too) sends it `on_launcher_death`.
             proc = subprocess.Popen(args, env=env or self.env(), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
                                     preexec_fn=die_with_launcher(on_launcher_death))

@@ -399,7 +399,7 @@ def _until_processed(send: Callable[[dict], dict], request: dict, tries: int = 6
 
 def _outlived(item: dict[str, Any]) -> bool:
     """Whether the record is past its TTL. DynamoDB deletes such an item only
-    some time later (up to a few days), and the emulators never do: each read
+    some time later (up to a few days), and moto and dynalite never do: each read
     and the create treat it as deleted already, so a record lasts as long as
     its TTL says wherever Sluice runs."""
     expires_at = item.get("expires_at")

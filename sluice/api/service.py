@@ -543,7 +543,9 @@ class TaskService:
     def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
         ahead = 0
         if record.status == TaskStatus.queued:  # an idempotent retry may find it finished
-            ahead = depth
+            # `depth` is what the cap was held against; the position counts down
+            # at the workers' pace since the queue was read, as the others do.
+            ahead = min(depth, self.backlog.estimate(record.priority))
             if record.priority != Priority.high:
                 ahead += self.backlog.estimate(Priority.high)
             if record.priority == Priority.low:
