@@ -290,19 +290,28 @@ def test_an_idempotency_key_whose_task_is_past_its_ttl_creates_a_new_task(servic
     assert record.status == TaskStatus.queued and record.request_hash == request_hash(other)
 
 
+NEW_INPUT = "the new task's own input"
+
+
+def reused_key(service, queues, key: str):
+    """A keyed task's message received, then its record past its TTL and the
+    key used again: (the task id, the earlier task's message)."""
+    old = service.submit("t", REQUEST, key)
+    (message,) = queues.receive(Priority.normal, 10, 1, 30)
+    outlive_ttl(service.store, old.task_id)
+    assert service.submit("t", SubmitRequest(model="synthetic", inputs=[NEW_INPUT]), key).task_id == old.task_id
+    return old.task_id, message
+
+
 @pytest.mark.parametrize("delivery", ["first", "redelivered", "past its deadline"])
 def test_a_message_of_an_earlier_task_under_a_reused_key_never_runs_as_the_new_one(service, settings, runner,
                                                                                    delivery):
     # Once a key's task has outlived its TTL the key makes a new task under the
     # same id; a message of the old one still about (re-sent by a retry, redriven
     # from a DLQ) carries the old inputs, and must not run or settle the new task.
-    old = service.submit("t", REQUEST, "reused")
     queues = PriorityQueues(settings)
-    (message,) = queues.receive(Priority.normal, 10, 1, 30)
-    outlive_ttl(service.store, old.task_id)
-    other = SubmitRequest(model="synthetic", inputs=["the new task's own input"])
-    assert service.submit("t", other, "reused").task_id == old.task_id
-    new_created = service.store.get(old.task_id).created_at
+    task_id, message = reused_key(service, queues, "reused")
+    new_created = service.store.get(task_id).created_at
     assert message.task().enqueued_at != new_created
     if delivery == "redelivered":
         hand_back(queues, [message], 0)
@@ -313,22 +322,19 @@ def test_a_message_of_an_earlier_task_under_a_reused_key_never_runs_as_the_new_o
         message.body = json.dumps(body)
     prepared = runner.prepare([message])
     assert prepared.jobs == [] and prepared.ack == [message]
-    record = service.store.get(old.task_id)
+    record = service.store.get(task_id)
     assert (record.status, record.attempts, record.created_at) == (TaskStatus.queued, 0, new_created)
 
 
 @pytest.mark.parametrize("old_first", [True, False])
 def test_in_one_batch_the_earlier_task_s_message_under_a_reused_key_is_dropped_alone(service, settings, runner,
                                                                                      old_first):
-    old = service.submit("t", REQUEST, "reused-in-a-batch")
     queues = PriorityQueues(settings)
-    (stale,) = queues.receive(Priority.normal, 10, 1, 30)
-    outlive_ttl(service.store, old.task_id)
-    service.submit("t", SubmitRequest(model="synthetic", inputs=["the new one"]), "reused-in-a-batch")
+    _, stale = reused_key(service, queues, "reused-in-a-batch")
     (current,) = queues.receive(Priority.normal, 10, 1, 30)
     prepared = runner.prepare([stale, current] if old_first else [current, stale])
     assert [job.deliveries for job in prepared.jobs] == [[current]] and prepared.ack == [stale]
-    assert prepared.jobs[0].inputs == ["the new one"]
+    assert prepared.jobs[0].inputs == [NEW_INPUT]
 
 
 def test_two_retries_at_once_of_an_accepted_task_at_a_full_queue_both_get_it_back(settings):
