@@ -56,6 +56,7 @@ def _errors(*statuses: int) -> dict:
 
 # Every route behind the key check: no key, a bad key, the rate limit, a table that does not answer.
 _AUTHED = (401, 403, 429, 503)
+_FIRST_LOOK_MIN_S = 3.0  # a long poll's first read of its task, at the least
 _SUBMIT_ERRORS = _errors(400, *_AUTHED, 409, 413, 415, 422)
 _HTTP_CODES = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 # The parameters' rules are the contract's types; only where each is read is said here.
@@ -332,7 +333,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if wait_s:
             # The first look joins the waiter's shared read round instead of a GetItem of its own.
             # (A task it did not find is looked up once more, and answers 404.)
-            seen = await waiter.read(task_id)
+            # A table that does not answer is a 503 within the wait the client
+            # gave (3 s at the least, as /ready waits), not after the SDK's retries.
+            try:
+                seen = await asyncio.wait_for(waiter.read(task_id), max(wait_s, _FIRST_LOOK_MIN_S))
+            except asyncio.TimeoutError:
+                raise unavailable("the task store") from None
             view = await run_in_threadpool(service.get, tenant_id, task_id, seen)
         else:
             view = await run_in_threadpool(service.get, tenant_id, task_id)

@@ -1,6 +1,7 @@
 """The batch runner on the emulator: claims, outcomes, isolation, duplicates."""
 
 import json
+import threading
 import time
 import urllib.request
 
@@ -311,3 +312,28 @@ def test_long_poll_on_a_task_past_its_deadline_answers_expired_at_once(api, sett
     # 2-core machine). 3 s after the deadline is ten times that, and still far
     # from the 14 s a GET that only noticed the deadline when wait_s ran out would take.
     assert late_s < 3, f"the long poll answered {late_s:.1f}s after the deadline"
+
+
+def test_a_long_poll_on_a_table_that_does_not_answer_is_503_within_its_wait(api, settings, monkeypatch):
+    # Not after the SDK's retries (~12 s), whatever wait_s the client asked for.
+    task_id = submit(api, "stalled")
+    from sluice.adapters.task_store import TaskStore as Store
+
+    released = threading.Event()
+    real_get_many = Store.get_many
+
+    def stalled(self, task_ids):
+        released.wait(20)
+        return real_get_many(self, task_ids)
+
+    monkeypatch.setattr(Store, "get_many", stalled)
+    try:
+        with api:  # one event loop for the app's lifetime, as a server has: a request does not wait out its tasks
+            started = time.monotonic()
+            response = api.get(f"/v1/tasks/{task_id}?wait_s=1", headers={"x-api-key": api.key_a})
+            took = time.monotonic() - started
+            released.set()
+    finally:
+        released.set()
+    assert response.status_code == 503 and response.json()["error"]["code"] == "dependency_unavailable", response.text
+    assert took < 10, f"answered after {took:.1f} s"
