@@ -639,3 +639,19 @@ def test_the_dispatcher_role_allows_every_call_it_makes(dispatch, settings, monk
             "sagemaker:InvokeEndpoint"} <= used
     assert used <= granted, used - granted
     assert TaskStore(settings).get(ids[0]).result_key
+
+
+def test_an_earlier_task_s_message_under_the_same_id_is_dropped_alone(dispatch, settings):
+    # An Idempotency-Key reused once its task outlived its TTL: the earlier
+    # submit's message (redriven from a DLQ, say) and the current one in one batch.
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["current"]})
+    event = sqs_event(settings, 1)
+    current = event["Records"][0]
+    body = json.loads(current["body"])
+    stale_body = {**body, "inputs": ["stale"], "enqueued_at": body["enqueued_at"] - 86_400_000}
+    event["Records"].insert(0, {**current, "messageId": str(uuid.uuid4()), "body": json.dumps(stale_body)})
+    SageMakerRuntime.calls.clear()
+    assert dispatch(event) == {"batchItemFailures": []}
+    (call,) = SageMakerRuntime.calls
+    assert [(t["task_id"], t["inputs"]) for t in call["tasks"]] == [(task_id, ["current"])]
+    assert TaskStore(settings).get(task_id).status == TaskStatus.succeeded
