@@ -91,11 +91,17 @@ def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]
     return left
 
 
-def _task_id(body: str) -> str | None:
+def _sender(body: str) -> dict:
+    """A message body's fields, {} when it is not a JSON object."""
     try:
-        value = json.loads(body).get("task_id")
-    except (ValueError, AttributeError):
-        return None
+        fields = json.loads(body)
+    except ValueError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def _task_id(body: str) -> str | None:
+    value = _sender(body).get("task_id")
     return value if isinstance(value, str) else None
 
 
@@ -103,11 +109,9 @@ def _record_of(records: dict[str, TaskRecord], body: str) -> TaskRecord | None:
     """The record of the task that sent this message: one of a later submit
     under the same id (its Idempotency-Key reused once the task outlived its
     TTL, while this message waited out its 14 days here) is another task's."""
-    record = records.get(_task_id(body) or "")
-    try:
-        enqueued_at = json.loads(body).get("enqueued_at")
-    except (ValueError, AttributeError):
-        enqueued_at = None
+    fields = _sender(body)
+    task_id, enqueued_at = fields.get("task_id"), fields.get("enqueued_at")
+    record = records.get(task_id) if isinstance(task_id, str) else None
     if record is None or (isinstance(enqueued_at, int) and record.created_at != enqueued_at):
         return None
     return record

@@ -91,8 +91,6 @@ class Job:
         return max(d.receive_count for d in self.deliveries)
 
 
-
-
 def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
     """Add a delivery to the batch's job of its task; returns the deliveries
     this makes stale, to acknowledge unrun. The same task delivered twice is

@@ -4,7 +4,7 @@ On SIGTERM it stops receiving, hands back the messages it had prefetched
 (visibility 0) once its receives in flight have returned, finishes the batch
 in inference and exits 0. It
 stops the same way, exiting 1, once the model fails every task of several
-batches in a row (sluice.worker.runner.BROKEN_AFTER), and exiting
+batches in a row (sluice.isolation.BROKEN_AFTER), and exiting
 EXIT_QUEUE_MISSING (75) once a queue it receives from has not existed for
 Settings.queue_missing_exit_s, where a restart recreates it (SLUICE_BOOTSTRAP_ON_START:
 an on-prem LocalStack restarted and lost its queues). Elsewhere (AWS, where SQS
