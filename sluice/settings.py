@@ -7,6 +7,7 @@ emulator differ only in those standard variables.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -27,6 +28,24 @@ ENV_PREFIX = "SLUICE_"
 
 class SettingsError(ValueError):
     """Settings refused at start-up, a line per variable: `SLUICE_X='value': why`."""
+
+
+# SLUICE_LOG_LEVEL, in any case: the API's uvicorn takes `debug`, logging only `DEBUG`.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Names one side takes and the other does not: compose gives the API and the
+# workers one SLUICE_LOG_LEVEL, so neither may stop on the other's names.
+LOG_LEVEL_ALIASES = {"TRACE": "DEBUG", "WARN": "WARNING", "FATAL": "CRITICAL"}
+
+
+def log_level(environ=os.environ) -> str:
+    """SLUICE_LOG_LEVEL as logging names it (unset or empty: INFO); SettingsError,
+    in one line naming the variable and the values allowed, for anything else."""
+    raw = environ.get("SLUICE_LOG_LEVEL") or "INFO"
+    level = raw.strip().upper()
+    level = LOG_LEVEL_ALIASES.get(level, level)
+    if level not in LOG_LEVELS:
+        raise SettingsError(f"SLUICE_LOG_LEVEL={raw!r}: should be one of {', '.join(LOG_LEVELS)} (any case)")
+    return level
 
 
 # DynamoDB refuses an item over 400 KB (409,600 bytes, names and values together),

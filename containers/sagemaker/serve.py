@@ -70,8 +70,8 @@ from sluice.contract import (
     TaskError,
 )
 from sluice.isolation import BROKEN_AFTER, MODEL_ERROR, BrokenModelWatch, run_isolating
-from sluice.settings import Settings, SettingsError
-from sluice.worker.main import log_level
+from sluice.settings import Settings, SettingsError, log_level
+
 
 log = logging.getLogger("sluice.sagemaker")
 

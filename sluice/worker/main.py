@@ -29,19 +29,13 @@ from sluice.adapters.queues import PriorityQueues, Received
 from sluice.bootstrap import bootstraps_on_start
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
-from sluice.settings import Settings, SettingsError
+from sluice.settings import Settings, SettingsError, log_level
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.policy import WeightedPriorityPolicy
 from sluice.worker.runner import UNCLAIM_ON_EXIT_S, BatchRunner, Pipeline, hand_back, run_within
 
 log = logging.getLogger("sluice.worker")
-
-# SLUICE_LOG_LEVEL, in any case: the API's uvicorn takes `debug`, logging only `DEBUG`.
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# Names one side takes and the other does not: compose gives the API and the
-# workers one SLUICE_LOG_LEVEL, so neither may stop on the other's names.
-LOG_LEVEL_ALIASES = {"TRACE": "DEBUG", "WARN": "WARNING", "FATAL": "CRITICAL"}
 
 # Settings.queue_missing_exit_s: how long a receiver goes on finding its queue
 # missing, with no receive that worked in between, before the worker exits with
@@ -50,17 +44,6 @@ EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
 # A queue that does not exist, as botocore reports it: the error's Code, and its
 # QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
 QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
-
-
-def log_level(environ=os.environ) -> str:
-    """SLUICE_LOG_LEVEL as logging names it (unset or empty: INFO); SettingsError,
-    in one line naming the variable and the values allowed, for anything else."""
-    raw = environ.get("SLUICE_LOG_LEVEL") or "INFO"
-    level = raw.strip().upper()
-    level = LOG_LEVEL_ALIASES.get(level, level)
-    if level not in LOG_LEVELS:
-        raise SettingsError(f"SLUICE_LOG_LEVEL={raw!r}: should be one of {', '.join(LOG_LEVELS)} (any case)")
-    return level
 
 
 def queue_missing(exc: BaseException) -> bool:

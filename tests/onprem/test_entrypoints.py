@@ -24,7 +24,7 @@ from dockerfile_reader import ROOT, cmd, env
 from servers import BIN, CREDENTIALS, REGION, Processes, clean_env, free_port, http_ok, start_moto, wait_for
 
 from sluice.settings import SettingsError
-from sluice.worker.main import LOG_LEVELS, log_level
+from sluice.settings import LOG_LEVELS, log_level
 
 API_DOCKERFILE = ROOT / "containers" / "api" / "Dockerfile"
 WORKER_DOCKERFILE = ROOT / "containers" / "worker" / "Dockerfile"

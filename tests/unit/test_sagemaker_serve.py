@@ -415,3 +415,18 @@ def test_the_entrypoint_serves_minilm_without_any_web_framework(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_the_entrypoint_loads_neither_the_worker_engine_nor_the_aws_adapters():
+    """serve.py answers /invocations and touches no queue, table or bucket (the
+    dispatcher Lambda does): importing the worker's engine and boto3 only cost it
+    start-up time before SageMaker's first /ping."""
+    check = (
+        "import runpy, sys\n"
+        f"runpy.run_path({str(SERVE)!r}, run_name='serve')\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'boto3' or m.startswith(('sluice.worker', "
+        "'sluice.adapters')))\n"
+        "assert not loaded, loaded\n"
+    )
+    run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
