@@ -330,6 +330,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"], responses=_errors(*_AUTHED, 404, 422))
     async def get_task(task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:
+        # The wait counts from the request, its first look included: behind API
+        # Gateway's 29 s a slow first read plus a whole wait_s would be a 504.
+        started = time.monotonic()
         if wait_s:
             # The first look joins the waiter's shared read round instead of a GetItem of its own.
             # (A task it did not find is looked up once more, and answers 404.)
@@ -342,11 +345,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             view = await run_in_threadpool(service.get, tenant_id, task_id, seen)
         else:
             view = await run_in_threadpool(service.get, tenant_id, task_id)
-        if wait_s and not view.status.is_terminal:
-            # The final record; or, when wait_s ran out first, the latest one the
+        left_s = wait_s - (time.monotonic() - started)
+        if left_s > 0 and not view.status.is_terminal:
+            # The final record; or, when the wait ran out first, the latest one the
             # waiter read (a retry's error, an attempt), so a timed-out wait answers
             # the task's current state without a read of its own. None: it read none.
-            record = await waiter.wait(task_id, wait_s)
+            record = await waiter.wait(task_id, left_s)
             if record is not None:
                 final = record.status.is_terminal
                 view = await run_in_threadpool(service.view, record) if final else \
