@@ -35,8 +35,8 @@ CATALOGUE: dict[str, ModelSpec] = {
             name="synthetic",
             version="1",
             max_batch_size=256,
-            description="Costs a + b*n ms per batch; refuses inputs containing '!fail' and crashes on '!crash'. "
-            "For load and fault tests.",
+            description="Costs a + b*n ms per batch. For load and fault tests: where its workers run with "
+            "SLUICE_SYNTHETIC_FAULTS=1 it refuses inputs containing '!fail' and crashes on '!crash'.",
             factory="models.synthetic:SyntheticModel",
         ),
     )

@@ -16,6 +16,10 @@ from onprem.embedded import emulator_env, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The fault tests send the synthetic model its '!crash' and '!fail' markers,
+# which a deployment ignores unless told (models/synthetic.py).
+os.environ["SLUICE_SYNTHETIC_FAULTS"] = "1"
+
 
 @pytest.fixture(scope="session")
 def moto_endpoint():

@@ -35,6 +35,7 @@ LOG_DIRS: list[Path] = []
 
 SYNTHETIC_ENV = {
     "SLUICE_MODELS": "synthetic",
+    "SLUICE_SYNTHETIC_FAULTS": "1",  # the poison inputs' markers
     "SLUICE_ACCESS_LOG": "0",
     # Small, so that a message a killed worker held comes back within seconds.
     # bootstrap gives the queues this visibility timeout too.
