@@ -29,7 +29,7 @@ def bootstraps_on_start() -> bool:
     return os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() in ("1", "true")
 
 
-def ensure_resources_on_start() -> None:
+def ensure_resources_on_start(settings: Settings) -> None:
     """The on-prem containers' first step when SLUICE_BOOTSTRAP_ON_START=1 (set by
     onprem/compose.yaml and onprem/k8s/onprem/config.yaml). LocalStack keeps
     everything in memory, and after a host reboot Docker restarts the containers
@@ -37,10 +37,11 @@ def ensure_resources_on_start() -> None:
     whose queue stays missing exits): the API and the workers then create what
     is missing themselves. A failure
     ends the process, and its restart policy tries again. Elsewhere (AWS, where
-    the stack owns the resources and the roles may not create them) it does nothing."""
+    the stack owns the resources and the roles may not create them) it does nothing.
+    Its callers have refused bad settings first, each in its own line."""
     if not bootstraps_on_start():
         return
-    ensure_resources(Settings())
+    ensure_resources(settings)
     log.info("queues, tables and bucket are in place")
 
 

@@ -8,6 +8,7 @@ from uvicorn.config import LOG_LEVELS
 
 from sluice.api.app import create_app
 from sluice.bootstrap import ensure_resources_on_start
+from sluice.settings import Settings, SettingsError
 
 
 # What logging takes and uvicorn names otherwise (the workers share the variable).
@@ -27,9 +28,14 @@ if __name__ == "__main__":
         print(f"api: refused settings: SLUICE_LOG_LEVEL={os.environ['SLUICE_LOG_LEVEL']!r}: should be one of "
               f"{', '.join(name.upper() for name in LOG_LEVELS)} (any case)", file=sys.stderr, flush=True)
         sys.exit(2)
-    ensure_resources_on_start()  # on-prem only (SLUICE_BOOTSTRAP_ON_START=1)
+    try:
+        settings = Settings()
+    except SettingsError as exc:  # before the bootstrap, which would trace back on it
+        print(f"api: refused settings: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    ensure_resources_on_start(settings)  # on-prem only (SLUICE_BOOTSTRAP_ON_START=1)
     uvicorn.run(
-        create_app(),
+        create_app(settings),
         host=os.environ.get("SLUICE_HOST", "127.0.0.1"),
         port=int(os.environ.get("SLUICE_PORT", "8000")),
         log_level=level,

@@ -329,7 +329,12 @@ def main() -> int:
         format="%(asctime)s %(levelname)s sagemaker[%(process)d] %(message)s",
         stream=sys.stderr,
     )
-    endpoint = load_endpoint(Settings())
+    try:
+        settings = Settings()
+    except SettingsError as exc:
+        log.error("refused settings:\n%s", exc)
+        return 2
+    endpoint = load_endpoint(settings)
     # SageMaker requires 0.0.0.0:8080; multi-container endpoints pass the port.
     server = make_server(endpoint, "0.0.0.0", int(os.environ.get("SAGEMAKER_BIND_TO_PORT", "8080")))
     # shutdown() blocks until serve_forever() returns, so it runs off the signal handler's thread.

@@ -1,10 +1,10 @@
-"""Worker image entrypoint: `python containers/worker/main.py`."""
+"""Worker image entrypoint: `python containers/worker/main.py`. With
+SLUICE_BOOTSTRAP_ON_START=1 (compose.yaml, onprem/k8s/onprem) it first creates
+what is missing, once its settings are accepted (sluice.worker.main.main)."""
 
 import sys
 
-from sluice.bootstrap import ensure_resources_on_start
 from sluice.worker.main import main
 
 if __name__ == "__main__":
-    ensure_resources_on_start()  # on-prem only (SLUICE_BOOTSTRAP_ON_START=1: compose.yaml, onprem/k8s/onprem)
     sys.exit(main())

@@ -26,7 +26,7 @@ import time
 from botocore.exceptions import ClientError
 
 from sluice.adapters.queues import PriorityQueues, Received
-from sluice.bootstrap import bootstraps_on_start
+from sluice.bootstrap import bootstraps_on_start, ensure_resources_on_start
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
 from sluice.settings import Settings, SettingsError, log_level
@@ -288,6 +288,7 @@ def main() -> int:
     except SettingsError as exc:
         log.error("refused settings:\n%s", exc)
         return 2
+    ensure_resources_on_start(settings)  # on-prem only (SLUICE_BOOTSTRAP_ON_START=1)
     from models.registry import load_models
 
     worker = Worker(settings, load_models(settings.model_names(), settings.torch_threads))

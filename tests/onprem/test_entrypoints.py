@@ -23,8 +23,7 @@ import pytest
 from dockerfile_reader import ROOT, cmd, env
 from servers import BIN, CREDENTIALS, REGION, Processes, clean_env, free_port, http_ok, start_moto, wait_for
 
-from sluice.settings import SettingsError
-from sluice.settings import LOG_LEVELS, log_level
+from sluice.settings import LOG_LEVELS, SettingsError, log_level
 
 API_DOCKERFILE = ROOT / "containers" / "api" / "Dockerfile"
 WORKER_DOCKERFILE = ROOT / "containers" / "worker" / "Dockerfile"
@@ -117,6 +116,24 @@ def test_an_unknown_log_level_stops_an_entrypoint_with_one_line(name):
     assert run.returncode == 2, output
     assert len(output.splitlines()) == 1 and "Traceback" not in output, output
     assert "SLUICE_LOG_LEVEL='verbose'" in output and all(level in output for level in LOG_LEVELS), output
+
+
+@pytest.mark.parametrize("name", ["api", "worker", "sagemaker"])
+@pytest.mark.parametrize("refused", [{"SLUICE_LOG_LEVEL": "verbose"}, {"SLUICE_MAX_BATCH_SIZE": "abc"}],
+                         ids=["log level", "setting"])
+def test_a_refused_setting_stops_an_entrypoint_before_its_bootstrap_naming_it(name, refused):
+    # As compose and onprem/k8s start them: the bootstrap on, and here nothing
+    # to reach. The setting is refused first, in a line naming it, not a
+    # traceback from the bootstrap's own Settings() or its first call.
+    env = {**clean_env(), **CREDENTIALS, "AWS_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+           "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "SLUICE_BOOTSTRAP_ON_START": "1", "SLUICE_MODELS": "synthetic",
+           **refused}
+    run = subprocess.run(entrypoints()[name], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    output = (run.stdout + run.stderr).strip()
+    assert run.returncode == 2, output
+    assert "Traceback" not in output and "refused settings" in output, output
+    [(variable, value)] = refused.items()
+    assert f"{variable}={value!r}" in output, output
 
 
 def test_the_worker_takes_a_lowercase_log_level():
