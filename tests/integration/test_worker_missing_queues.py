@@ -124,6 +124,8 @@ def assert_still_receiving_when(worker: Worker, enough: threading.Event, what: s
 def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(settings, monkeypatch, error):
     # A limit far shorter than the receives below span: were these errors taken
     # for a missing queue, the receiver would have stopped the worker by then.
+    # With the bootstrap on, as on-prem: only then does a missing queue stop a worker.
+    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", "1")
     if error == "connection refused":
         monkeypatch.setenv("AWS_ENDPOINT_URL_SQS", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1}),
