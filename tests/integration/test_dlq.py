@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
-from sluice import cli
+from sluice import cli, dlq
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, redrive, settle_dead
+from tests.reliability.harness import wait_until
 
 
 def dead_letter(queues: PriorityQueues, store: TaskStore, task_id: str, status=TaskStatus.queued, **recorded) -> None:
@@ -186,3 +188,30 @@ def test_a_dead_letter_of_an_earlier_task_under_the_same_id_leaves_the_new_task_
     assert store.get("reused").status is TaskStatus.queued
     [listed] = list_dead(queues, [Priority.normal], store=store)
     assert listed["task_id"] == "reused" and listed["task_status"] is None
+
+
+def test_the_workers_settling_goes_on_after_a_round_that_failed(settings, monkeypatch):
+    # The worker's thread: one transient error (the table throttled, SQS away) must
+    # not end it, or dead-lettered tasks without an outcome stay queued for ever.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "settled-late", attempts=2)
+    real, rounds = dlq.settle_dead, []
+
+    def fails_first(*args, **kwargs):
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise ConnectionError("the table went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dlq, "settle_dead", fails_first)
+    done = threading.Event()
+    thread = threading.Thread(target=dlq.settle_loop, args=(queues, store, 3, done, 0.05), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: store.get("settled-late").status is TaskStatus.failed, 30,
+                   "the task settled by a round after the failed one")
+        assert thread.is_alive() and len(rounds) >= 2
+    finally:
+        done.set()
+        thread.join(10)
+    assert not thread.is_alive()

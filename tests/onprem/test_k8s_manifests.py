@@ -17,7 +17,7 @@ from cloudcoil.models.keda import v1alpha1 as keda
 from dockerfile_reader import ROOT
 
 from sluice.contract import Priority
-from sluice.settings import Settings
+from sluice.settings import Settings, model_names_of
 
 K8S = ROOT / "onprem" / "k8s"
 FILES = sorted(K8S.rglob("*.yaml"))
@@ -213,6 +213,19 @@ def test_eks_workers_use_the_stacks_max_attempts_visibility_result_ttl_and_grace
     worker = Settings(max_attempts=config["SLUICE_MAX_ATTEMPTS"],
                       visibility_timeout_s=config["SLUICE_VISIBILITY_TIMEOUT_S"])
     assert (worker.max_attempts, worker.visibility_timeout_s) == (stack.max_attempts, stack.visibility_timeout_s)
+
+
+def test_eks_workers_serve_the_stacks_models_and_batch_as_its_own_workers_do():
+    # The stack's API accepts tasks for its `models`: a model these workers do not
+    # load would be handed back, receive after receive, until its tasks dead-letter.
+    from cdk.config import SluiceConfig
+
+    config = site("eks")[("ConfigMap", "sluice-config")]["data"]
+    worker = Settings(**{key.removeprefix("SLUICE_").lower(): value for key, value in config.items()
+                         if key in ("SLUICE_MODELS", "SLUICE_MAX_BATCH_SIZE", "SLUICE_MAX_WAIT_MS")})
+    for stack in (SluiceConfig(), SluiceConfig.from_context(_Context())):
+        assert (worker.model_names(), worker.max_batch_size, worker.max_wait_ms) == \
+            (model_names_of(stack.models), stack.max_batch_size, stack.max_wait_ms)
 
 
 def test_onprem_workers_recreate_what_a_restarted_localstack_lost():
