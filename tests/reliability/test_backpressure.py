@@ -69,7 +69,11 @@ def test_a_flood_past_the_backlog_cap_gets_429s_and_memory_stays_bounded(tmp_pat
             ledger.add([high.body["task_id"]])
             worker.send_signal(signal.SIGCONT)
             resumed = time.monotonic() - started
-            wait_until(lambda: time.monotonic() - started >= FLOOD_S, FLOOD_S + 30, "the flood to run its course")
+            # Its course, and at least 8 samples of the resumed worker at work
+            # (from 4 s after SIGCONT): on a slow machine the cap comes late.
+            wait_until(lambda: time.monotonic() - started >= FLOOD_S
+                       and sum(1 for s in list(samples) if s[0] >= resumed + 4) >= 8,
+                       FLOOD_S + 60, "the flood to run its course", state=lambda: len(samples))
         finally:
             worker.send_signal(signal.SIGCONT)
             stop.set()
