@@ -49,7 +49,9 @@ _GATEWAY_ERRORS: dict[apigw.ResponseType, _GatewayError] = {
     apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("403", "forbidden", None, None),
     apigw.ResponseType.INVALID_API_KEY: ("403", "forbidden", None, None),
     apigw.ResponseType.ACCESS_DENIED: ("403", "forbidden", None, None),
-    apigw.ResponseType.THROTTLED: ("429", "rate_limited", None, None),
+    # A usage plan's rate refills its bucket every second. An exhausted quota
+    # waits for the plan's period to end: no fixed Retry-After can say when.
+    apigw.ResponseType.THROTTLED: ("429", "rate_limited", None, 1),
     apigw.ResponseType.QUOTA_EXCEEDED: ("429", "quota_exceeded", None, None),
     apigw.ResponseType.REQUEST_TOO_LARGE: ("413", "payload_too_large", None, None),
     apigw.ResponseType.WAF_FILTERED: ("403", "forbidden", None, None),

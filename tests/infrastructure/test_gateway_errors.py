@@ -83,6 +83,19 @@ def test_a_lambda_timeout_or_failure_reaches_the_client_as_the_apps_503(synth, b
         }
 
 
+def test_a_usage_plan_throttle_is_the_apps_429_rate_limited_with_retry_after(synth, backend):
+    # As the app's own rate limit and the WAF's answer: a client that waits on
+    # Retry-After (README) must get one. A plan's rate refills every second; an
+    # exhausted quota waits for its period to end, which no fixed header can say.
+    responses = gateway_responses(synth.raw[backend])
+    throttled = responses["THROTTLED"]
+    assert throttled["StatusCode"] == "429" and rendered(throttled)["error"]["code"] == "rate_limited"
+    assert throttled["ResponseParameters"] == {"gatewayresponse.header.Retry-After": "'1'"}
+    quota = responses["QUOTA_EXCEEDED"]
+    assert quota["StatusCode"] == "429" and rendered(quota)["error"]["code"] == "quota_exceeded"
+    assert "ResponseParameters" not in quota
+
+
 def test_any_other_gateway_5xx_is_the_apps_internal_error_keeping_its_status(synth, backend):
     responses = gateway_responses(synth.raw[backend])
     assert "DEFAULT_5XX" in responses, "no DEFAULT_5XX: other gateway 5xx reach clients as {'message': ...}"
