@@ -35,6 +35,17 @@ def image_command(dockerfile_args: list[str]) -> list[str]:
     return [sys.executable if program == "python" else str(BIN / program), *rest]
 
 
+def without_web_stack(args: list[str]) -> list[str]:
+    """A `python script.py` command run as the worker image has it: no web framework
+    installed (the dev venv has them all, so an import of one would pass here)."""
+    program, script = args
+    blocker = ("import runpy, sys\n"
+               "for m in ('fastapi', 'starlette', 'uvicorn', 'mangum'): sys.modules[m] = None\n"
+               f"sys.argv = [{script!r}]\n"
+               f"runpy.run_path({script!r}, run_name='__main__')\n")
+    return [program, "-c", blocker]
+
+
 def test_api_and_worker_create_missing_resources_as_they_start(tmp_path):
     procs = Processes(tmp_path)
     try:
@@ -50,7 +61,8 @@ def test_api_and_worker_create_missing_resources_as_they_start(tmp_path):
         port = free_port()
         api = procs.start("api", image_command(cmd(API_DOCKERFILE)),
                           {**base, **env(API_DOCKERFILE), "SLUICE_HOST": "127.0.0.1", "SLUICE_PORT": str(port)})
-        worker = procs.start("worker", image_command(cmd(WORKER_DOCKERFILE)), {**base, **env(WORKER_DOCKERFILE)})
+        worker = procs.start("worker", without_web_stack(image_command(cmd(WORKER_DOCKERFILE))),
+                             {**base, **env(WORKER_DOCKERFILE)})
         wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "API /health", api)
         # The API serves only once its resources exist, so it is ready at once.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as response:
