@@ -173,6 +173,19 @@ def test_the_two_sites_differ_only_in_endpoints_credentials_and_the_named_settin
     assert "AWS_ENDPOINT_URL" not in on_cfg
 
 
+def test_keda_reads_the_same_credentials_the_onprem_workers_get():
+    # KEDA's aws-sqs-queue scaler names its static credentials awsAccessKeyID and
+    # awsSecretAccessKey; a wrong parameter, secret or key leaves it unable to
+    # read the queues, and the workers never scale out.
+    onprem = site("onprem")
+    refs = onprem[("TriggerAuthentication", "sluice-sqs")]["spec"]["secretTargetRef"]
+    pod = onprem[("Deployment", "sluice-worker")]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [secret] = [e["secretRef"]["name"] for e in container["envFrom"] if "secretRef" in e]
+    assert sorted((r["parameter"], r["name"], r["key"]) for r in refs) == [
+        ("awsAccessKeyID", secret, "AWS_ACCESS_KEY_ID"), ("awsSecretAccessKey", secret, "AWS_SECRET_ACCESS_KEY")]
+
+
 def test_eks_workers_send_metrics_to_cloudwatch():
     # As the stack's own workers do (cdk/workers_eks_construct.py): EMF on stdout
     # never becomes a metric on EKS.
