@@ -21,6 +21,9 @@ import traceback
 from bench import api, e2e, emulators, gpu, priorities, report, sdk, startup, worker
 from bench.common import ROOT, RESULTS, BenchProblems, log, machine, save
 
+# The result file a benchmark saves, where its name is not the benchmark's.
+RESULT_FILES = {"sdk": "sdk_cpu"}
+
 SUITE = {
     "emulators": emulators.main,
     "sdk": sdk.main,
@@ -41,6 +44,9 @@ def plots() -> list[str]:
 
     written = []
     docs = ROOT / "docs"
+    cores = ((json.loads((RESULTS / "machine.json").read_text()).get("machine") or {}).get("cores")
+             if (RESULTS / "machine.json").exists() else None)
+    where = f"{cores}-core machine" if cores else "this machine"
     e2e_file, worker_file = RESULTS / "e2e.json", RESULTS / "worker.json"
     if e2e_file.exists():
         d = json.loads(e2e_file.read_text())
@@ -60,7 +66,7 @@ def plots() -> list[str]:
         ax.set_xlabel("completed requests/s")
         ax.set_ylabel("latency, ms (dot p50, bar to p99)")
         ax.set_yscale("log")
-        ax.set_title(f"{d['requests']} one-sentence requests, {d['clients']} clients, 2-core machine")
+        ax.set_title(f"{d['requests']} one-sentence requests, {d['clients']} clients, {where}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(docs / "bench-latency-throughput.png", dpi=110)
@@ -75,7 +81,7 @@ def plots() -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max batch size")
         ax.set_ylabel("sentences (tasks)/s")
-        ax.set_title("MiniLM bf16, 2 torch threads, 2-core machine")
+        ax.set_title(f"MiniLM bf16, {d['drain_32'].get('threads', '?')} torch threads, {where}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(docs / "bench-batch-size.png", dpi=110)
@@ -102,6 +108,9 @@ def main() -> int:
             x for x in (["--quick"] if a.quick else []) + ([f"--only {a.only}"] if a.only else []))})
         for name in chosen:
             t0 = time.monotonic()
+            # An earlier run's file must not stand in for a benchmark that fails
+            # before it saves: the table and the plots read whatever is there.
+            (RESULTS / f"{RESULT_FILES.get(name, name)}.json").unlink(missing_ok=True)
             try:
                 SUITE[name](quick=a.quick)
             except BenchProblems as exc:  # saved, with its problems: no traceback needed

@@ -75,7 +75,7 @@ def backlogged_fraction(records: list, start_ms: float, end_ms: float, step_ms: 
 def main(quick: bool = False, sqs: str = "localstack") -> dict:
     window_s = 15 if quick else 30
     drain_s = 30 if quick else 60  # at most, after the window: ~1.2 x window_s at capacity
-    env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_TORCH_THREADS": "2"}
+    env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_DEVICE": "cpu", "SLUICE_TORCH_THREADS": "2"}
     ids: dict[str, list[str]] = {"high": [], "normal": [], "low": []}
     weights = settings().weights()
     configured = {p.value: w / sum(weights.values()) for p, w in weights.items()}
@@ -168,7 +168,7 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
     results["high_over_low_is"] = ("upper bound" if lo["p50_is_lower_bound"] and not hi["p50_is_lower_bound"]
                                    else "exact" if not (lo["p50_is_lower_bound"] or hi["p50_is_lower_bound"])
                                    else "uncertain (both p50s are lower bounds)")
-    results["low_share_vs_configured"] = round(lo["share_of_completions"] / lo["configured_share"], 2)
+    results["low_share_vs_configured"] = round(lo["share_of_completions"] / lo["configured_share"], 4)
     log(f"priorities: high/low p50 wait {results['high_over_low_p50_wait']} ({results['high_over_low_is']}); "
         f"low's share of completions {lo['share_of_completions']:.3f} against its configured "
         f"{lo['configured_share']:.3f} = {results['low_share_vs_configured']}x")

@@ -392,3 +392,46 @@ def test_switch_interval_site_sets_a_process_switch_interval_only_when_asked():
     assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.005
     env["SLUICE_BENCH_SWITCH_INTERVAL_S"] = "0.0005"
     assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.0005
+
+
+def test_a_benchmark_that_fails_before_saving_leaves_no_earlier_figure_behind(tmp_path, monkeypatch):
+    import sys
+
+    import bench.__main__ as suite
+    from bench import report
+
+    for module in (bench.common, suite, report):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    (tmp_path / "worker.json").write_text(json.dumps({"efficiency": 0.857}))  # an earlier run's
+    (tmp_path / "sdk_cpu.json").write_text("{}")
+    (tmp_path / "api.json").write_text("{}")  # not chosen: left as it is
+
+    def crashes(quick):
+        raise RuntimeError("the stack did not start")
+
+    monkeypatch.setattr(suite, "SUITE", {"worker": crashes, "sdk": lambda quick: None, "api": lambda quick: None})
+    monkeypatch.setattr(suite, "machine", lambda: {})
+    monkeypatch.setattr(sys, "argv", ["bench", "--only", "worker,sdk"])
+    assert suite.main() == 1
+    assert not (tmp_path / "worker.json").exists() and not (tmp_path / "sdk_cpu.json").exists()
+    assert (tmp_path / "api.json").exists()
+    assert "not run" in {r.target[:2]: r for r in report.rows()}["2-"].measured
+
+
+def test_the_api_benchmark_flags_failed_submits_and_keeps_its_ratios_unrounded():
+    from bench.api import alternate, summarize
+    from bench.common import LoadResult
+
+    def path(ms: float, n: int, errors=()):
+        return LoadResult(latencies=[ms / 1000] * n, errors=list(errors), ended=1.0)
+
+    results = {"phases": {}}
+    summarize(results, {"direct": path(5.01, 300), "api": path(6.27, 300)}, 1, asked=300)
+    assert results["ratio_p50_1"] == 1.2515 and "problems" not in results
+    summarize(results, {"direct": path(5.0, 300), "api": path(6.0, 297, ["RuntimeError: 503"] * 3)}, 1, asked=300)
+    [problem] = results["problems"]
+    assert problem.startswith("api, 1 client(s): 297 of 300 submits succeeded; 3 error(s)")
+
+    pooled = {"direct": LoadResult(), "api": LoadResult()}
+    alternate(5, lambda c, i: None, lambda c, i: None, None, pooled, timeout_s=0)
+    assert all(r.errors and not r.latencies for r in pooled.values())

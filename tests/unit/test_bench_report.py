@@ -71,3 +71,41 @@ def test_the_table_and_summary_are_written(results, capsys):
     assert "| n/a |" in capsys.readouterr().out
     saved = json.loads((report.RESULTS / "summary.json").read_text())
     assert saved["markdown"] == text and len(saved["rows"]) == len(text.splitlines()) - 2
+
+
+def test_a_result_with_problems_shows_its_figures_and_judges_nothing(results):
+    results("worker", {"drain_32": {"tasks_per_s": 90.0}, "raw_32": {"per_s": 100.0}, "efficiency": 0.9,
+                       "drain_1": {"tasks_per_s": 20.0}, "batching_gain": 4.5,
+                       "problems": ["drain_32: CUT OFF at its timeout"]})
+    found = by_target(report.rows())
+    for target in ("2. Worker efficiency", "3. Batching gain"):
+        assert found[target].met is None
+        assert "CUT OFF" in found[target].measured and "**0.9**" in found["2. Worker efficiency"].measured
+
+
+def test_a_ratio_of_two_lower_bounds_is_not_judged(results):
+    results("priorities", {"per_priority": {"high": {"p50_queue_wait_s": 1.0}, "low": {"p50_queue_wait_s": 50.0}},
+                           "high_over_low_p50_wait": 0.02, "high_over_low_is": "uncertain (both p50s are lower bounds)",
+                           "low_share_vs_configured": 1.2})
+    assert by_target(report.rows())["5. Priorities under saturation"].met is None
+
+
+@pytest.mark.parametrize("name, data", [
+    ("worker", {"drain_32": {"tasks_per_s": None}, "raw_32": {"per_s": 100.0}, "efficiency": None,
+                "drain_1": {"tasks_per_s": None}, "batching_gain": None}),
+    ("startup", {"runs": [{"sqs": "localstack", "first_task_s": None, "error": "LocalStack did not start"}]}),
+    ("priorities", {"per_priority": {"high": {"p50_queue_wait_s": None}, "low": {"p50_queue_wait_s": 3.0}},
+                    "high_over_low_p50_wait": None, "high_over_low_is": "exact", "low_share_vs_configured": 1.0}),
+])
+def test_a_result_missing_a_figure_says_so_and_the_table_is_still_written(results, name, data):
+    results(name, data)
+    text = report.main()
+    [row] = [r for r in report.rows() if r.measured.startswith("not measured") and not r.target.startswith("6.")]
+    assert row.met is None and row.measured in text
+
+
+def test_a_gpu_run_judges_the_workers_efficiency_on_the_gpu_too(results):
+    results("gpu", {"drain_1024": {"gpu_util_pct": 95.0, "efficiency_vs_raw": 0.1},
+                    "drain_64x": {"gpu_util_pct": 20.0, "efficiency_vs_raw": 0.5}})
+    [row] = [r for r in report.rows() if r.target.startswith("2. Worker efficiency on a GPU")]
+    assert row.met is False and "drain_64x: **0.5**" in row.measured
