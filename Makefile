@@ -78,7 +78,7 @@ synth: install  ## both stacks (SluiceEks, SluiceSageMaker) into cdk.out/, offli
 bench: install  ## the benchmark suite into bench/results/ and docs/bench-*.png
 	$(PIP) install -q -e '.[bench]'
 	bash bench/setup_peers.sh
-	$(PY) -m bench $(BENCH_ARGS)
+	timeout 2700 $(PY) -m bench $(BENCH_ARGS)  # every benchmark is bounded; this bounds them all (45 min)
 
 clean:
 	rm -rf $(VENV) $(LS_VENV) .sluice .pytest_cache

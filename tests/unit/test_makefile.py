@@ -28,3 +28,18 @@ def test_torch_is_installed_first_and_can_only_be_the_cpu_build():
         assert "https://download.pytorch.org/whl/cpu" in torch[0]
     else:
         assert spec == "torch==2.13.0"
+
+
+def test_no_script_lets_pip_resolve_a_bare_torch():
+    # The peers' venv (bench/setup_peers.sh) and the GPU kit install torch too: a
+    # bare `torch==2.13.0` is the multi-GB CUDA build on Linux.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for script in sorted((root / "bench").glob("*.sh")):
+        for line in script.read_text().splitlines():
+            if "pip install" in line and re.search(r"\btorch==", line):
+                assert "torch==2.13.0+cpu" in line or "+cu" in line, f"{script.name}: {line.strip()}"
+            if "pip install" in line and "$TORCH" in line:
+                assert "TORCH='torch==2.13.0+cpu'" in script.read_text(), script.name
