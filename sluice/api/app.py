@@ -335,7 +335,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         started = time.monotonic()
         if wait_s:
             # The first look joins the waiter's shared read round instead of a GetItem of its own.
-            # (A task it did not find is looked up once more, and answers 404.)
             # A table that does not answer is a 503 within the wait the client
             # gave (3 s at the least, as /ready waits), not after the SDK's retries.
             try:

@@ -23,6 +23,7 @@ the same key and body names the very same object.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -90,6 +91,13 @@ def batch_task_id(tenant_id: str, key: str, index: int) -> str:
 def request_hash(request: SubmitRequest | BatchSubmitRequest) -> str:
     canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class _Unread(enum.Enum):
+    UNREAD = "unread"
+
+
+UNREAD = _Unread.UNREAD  # TaskService.get: the caller has not read the record
 
 
 class Compensator:
@@ -577,9 +585,14 @@ class TaskService:
                 record = rejected.current or record
         return record
 
-    def get(self, tenant_id: str, task_id: str, record: TaskRecord | None = None) -> TaskView:
-        """The task's view; `record` when the caller has just read it (the long poll's shared round)."""
-        return self.view(self._owned(tenant_id, task_id, record or self.store.get(task_id)))
+    def get(self, tenant_id: str, task_id: str, record: TaskRecord | None | _Unread = UNREAD) -> TaskView:
+        """The task's view; `record` when the caller has just read it (the long
+        poll's shared round, consistent: None there is a task that does not
+        exist). Not read again either way: a second read for a missing task
+        alone would time apart another tenant's task from no task."""
+        if record is UNREAD:
+            record = self.store.get(task_id)
+        return self.view(self._owned(tenant_id, task_id, record))
 
     def view(self, record: TaskRecord) -> TaskView:
         result = json.loads(record.result_json) if record.result_json else None

@@ -373,3 +373,26 @@ def test_a_long_poll_whose_first_read_is_slow_answers_within_its_wait(api, setti
     assert response.status_code == 200 and response.json()["status"] == "queued", response.text
     # 5 s and the route's own calls; the old code took 3 + 5 s.
     assert took < 7, f"answered after {took:.1f} s of a 5 s wait"
+
+
+def test_a_long_poll_reads_as_much_for_another_tenants_task_as_for_none(api, settings, monkeypatch):
+    # Both answer 404; were a missing task read once more, the time the second
+    # read takes would tell a tenant that a task id it guessed (an Idempotency-Key
+    # task id is derived from the tenant and the key) exists for someone else.
+    foreign = submit(api, "someone else's")  # key_a's task
+    from sluice.adapters.task_store import TaskStore as Store
+
+    reads: list[str] = []
+    real_get, real_get_many = Store.get, Store.get_many
+    monkeypatch.setattr(Store, "get", lambda self, task_id, *a, **k: reads.append("get") or real_get(
+        self, task_id, *a, **k))
+    monkeypatch.setattr(Store, "get_many", lambda self, ids, *a, **k: reads.append("get_many") or real_get_many(
+        self, ids, *a, **k))
+    seen = {}
+    with api:
+        for name, task_id in (("foreign", foreign), ("missing", "0" * 32)):
+            reads.clear()
+            response = api.get(f"/v1/tasks/{task_id}?wait_s=1", headers={"x-api-key": api.key_b})
+            assert response.status_code == 404, response.text
+            seen[name] = list(reads)
+    assert seen["foreign"] == seen["missing"] == ["get_many"], seen
