@@ -145,6 +145,23 @@ class BodyLimit:
         await response({"type": "http"}, None, send)
 
 
+class KeyRequired:
+    """A request to /v1/ without an x-api-key is refused (401) before its body is
+    read: otherwise anyone could make the API buffer and parse a megabyte of JSON,
+    and a keyless request with a bad body was answered 400 for the body. Only
+    where the app checks keys itself (on AWS the gateway does, before the app)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                not dict(scope.get("headers") or []).get(b"x-api-key", b"").strip():
+            err = ApiError(401, "unauthenticated", "missing x-api-key header")
+            return await JSONResponse(err.body(), status_code=401)({"type": "http"}, None, send)
+        return await self.app(scope, receive, send)
+
+
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
@@ -193,6 +210,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Asynchronous inference for PyTorch models. Authenticate with the `x-api-key` header.",
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.auth_mode == "table":
+        app.add_middleware(KeyRequired)  # outermost: before the body is read
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):

@@ -51,6 +51,17 @@ def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(api):
     assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
 
 
+def test_a_request_without_a_key_is_401_before_its_body_is_read(api):
+    # Not 400 for the body, 413 for its size or 422 for its fields: the caller
+    # is refused before the API buffers or parses anything it sent.
+    for body, headers in ((b"{not json", {}), (b"{}", {"content-type": "application/json"}),
+                          (b"x" * 10, {"content-length": str(10 ** 9)}), (b"{}", {"x-api-key": " "})):
+        response = api.post("/v1/tasks", content=body, headers={"content-type": "application/json", **headers})
+        assert response.status_code == 401, (headers, response.text)
+        assert response.json()["error"]["code"] == "unauthenticated"
+    assert api.get("/health").status_code == 200  # no key needed outside /v1/
+
+
 def test_a_key_is_read_from_the_table_once_then_answered_from_the_cache(settings):
     # The API answers cached keys on its event loop and reads only a miss in a thread.
     keys = ApiKeys(settings.model_copy(update={"key_cache_s": 60}))
