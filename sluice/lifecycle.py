@@ -229,11 +229,26 @@ _MISSING = {"NoSuchKey", "NotFound", "404"}
 
 
 def _describe(exc: Exception) -> str:
-    """An AWS error by its code and message, any other by its type and text: for a task's error message."""
+    """An AWS error by its code and message, any other by its type and text: for the log."""
     if isinstance(exc, ClientError):
         error = exc.response.get("Error", {})
         return f"{error.get('Code') or 'ClientError'}: {error.get('Message', '')}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def public_reason(exc: Exception) -> str:
+    """A failed call as a task's error message may tell its tenant: the AWS error
+    code or the exception's type, never its text. That names the account, the
+    role, KMS keys and endpoints (AccessDenied: User: arn:aws:sts::123456789012:
+    assumed-role/...), which are the operator's: the log line beside it has them."""
+    if isinstance(exc, ClientError):
+        return exc.response.get("Error", {}).get("Code") or "ClientError"
+    return type(exc).__name__
+
+
+def _logged(key: str, exc: Exception) -> str:
+    log.warning("could not read inputs object %s: %s", key, _describe(exc))
+    return public_reason(exc)
 
 
 def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tuple[list[Job], list[Outcome]]:
@@ -253,13 +268,13 @@ def load_inputs(payloads: PayloadStore, jobs: list[Job], pool: Executor) -> tupl
             code = exc.response.get("Error", {}).get("Code") or "ClientError"
             if code in _MISSING:
                 return _unreadable(job, f"inputs object {key!r} does not exist ({code})", permanent=True)
-            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_logged(key, exc)}")
         except BotoCoreError as exc:  # before ValueError: some of botocore's errors are ValueErrors too
-            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_logged(key, exc)}")
         except ValueError as exc:  # not JSON, not UTF-8
             return _unreadable(job, f"inputs object {key!r} is not JSON: {exc}", permanent=True)
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this task's attempt only
-            return _unreadable(job, f"inputs object {key!r} could not be read: {_describe(exc)}")
+            return _unreadable(job, f"inputs object {key!r} could not be read: {_logged(key, exc)}")
         if not isinstance(inputs, list) or not all(isinstance(text, str) for text in inputs):
             return _unreadable(job, f"inputs object {key!r} is not a JSON list of strings", permanent=True)
         job.inputs = inputs
@@ -377,8 +392,8 @@ def record_outcomes(store: TaskStore, payloads: PayloadStore, plan: OutcomePlan,
         try:
             payloads.put_json(upload.key, upload.body)
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this task's attempt only
-            log.warning("could not store the result of task %s: %s", upload.task_id, type(exc).__name__)
-            return _describe(exc)
+            log.warning("could not store the result of task %s: %s", upload.task_id, _describe(exc))
+            return public_reason(exc)
         return None
 
     unstored = {u.task_id: why for u, why in zip(plan.uploads, list(pool.map(put, plan.uploads))) if why}

@@ -54,8 +54,8 @@ from sluice.contract import (
     now_ms,
 )
 from sluice.lifecycle import (
-    INVALID_INPUT, Job, Outcome, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
-    unclaim_unwritten,
+    INVALID_INPUT, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes, refused,
+    unclaim, unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -209,8 +209,12 @@ class Dispatcher:
             answers = {a.task_id: a for a in answer.tasks}
             version = answer.model_version
         except (BotoCoreError, ClientError, ValueError) as exc:  # a ValidationError is a ValueError
-            reason = f"endpoint call failed: {_describe(exc)}"
-            log.warning(reason, extra={"model": model, "tasks": len(jobs)})
+            log.warning(f"endpoint call failed: {_describe(exc)}", extra={"model": model, "tasks": len(jobs)})
+            # The tasks' own message says what failed, never AWS's text: a ModelError's
+            # names the account and the endpoint's log group.
+            container = _container_error(exc.response) if isinstance(exc, ClientError) else None
+            reason = f"endpoint call failed: {public_reason(exc)}" + (
+                f" ({container[0]} {container[1]})" if container else "")
             if _turned_away(exc):
                 return TurnedAway(reason)
             return [Outcome(job, error=reason) for job in jobs]
