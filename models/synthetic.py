@@ -6,6 +6,8 @@ import hashlib
 import os
 import time
 
+from pydantic import TypeAdapter, ValidationError
+
 from models.base import ModelInputError
 
 FAIL_MARKER = "!fail"  # refused as an input (ModelInputError): the task fails at once
@@ -28,10 +30,14 @@ class SyntheticModel:
             per_item_ms if per_item_ms is not None else os.environ.get("SLUICE_SYNTHETIC_PER_ITEM_MS", 1)
         )
         if faults is None:
+            # As Settings.synthetic_faults reads it (1/true/yes/on, 0/false/no/off),
+            # which entrypoints check first.
             raw = os.environ.get(FAULTS_ENV) or "0"
-            if raw not in ("0", "1"):
-                raise ValueError(f"{FAULTS_ENV}={raw!r}: use 1 (obey {FAIL_MARKER!r} and {CRASH_MARKER!r}) or 0")
-            faults = raw == "1"
+            try:
+                faults = TypeAdapter(bool).validate_python(raw)
+            except ValidationError:
+                raise ValueError(f"{FAULTS_ENV}={raw!r}: use 1 (obey {FAIL_MARKER!r} and {CRASH_MARKER!r}) "
+                                 "or 0") from None
         self.faults = faults
 
     def load(self) -> None:

@@ -126,6 +126,9 @@ class Settings(BaseSettings):
 
     # Worker
     models: str = Field(default="minilm-embed,synthetic", description="Comma-separated model names.")
+    # Read by models/synthetic.py itself; here so that a bad value is refused
+    # with the other settings, before the bootstrap and the models' load.
+    synthetic_faults: bool = Field(default=False, description="The synthetic model obeys '!fail' and '!crash'.")
     max_batch_size: int = Field(default=32, ge=1)
     max_wait_ms: int = Field(default=10, ge=0)
     priority_weights: str = Field(default="high=6,normal=3,low=1", pattern=r"^(\s*(high|normal|low)\s*=\s*[0-9]+\s*(,|$))*$")

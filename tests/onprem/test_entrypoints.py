@@ -131,8 +131,9 @@ def test_an_unknown_log_level_stops_an_entrypoint_with_one_line(name):
 
 
 @pytest.mark.parametrize("name", ["api", "worker", "sagemaker"])
-@pytest.mark.parametrize("refused", [{"SLUICE_LOG_LEVEL": "verbose"}, {"SLUICE_MAX_BATCH_SIZE": "abc"}],
-                         ids=["log level", "setting"])
+@pytest.mark.parametrize("refused", [{"SLUICE_LOG_LEVEL": "verbose"}, {"SLUICE_MAX_BATCH_SIZE": "abc"},
+                                     {"SLUICE_SYNTHETIC_FAULTS": "sometimes"}],
+                         ids=["log level", "setting", "a model's setting"])
 def test_a_refused_setting_stops_an_entrypoint_before_its_bootstrap_naming_it(name, refused):
     # As compose and onprem/k8s start them: the bootstrap on, and here nothing
     # to reach. The setting is refused first, in a line naming it, not a

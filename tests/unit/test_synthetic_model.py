@@ -22,7 +22,7 @@ def test_without_the_switch_the_markers_are_ordinary_text(monkeypatch):
     assert not broken
 
 
-@pytest.mark.parametrize("raw, faults", [("1", True), ("0", False), ("", False)])
+@pytest.mark.parametrize("raw, faults", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
 def test_the_switch_takes_1_or_0(monkeypatch, raw, faults):
     monkeypatch.setenv(FAULTS_ENV, raw)
     model = SyntheticModel(base_ms=0, per_item_ms=0)
@@ -35,6 +35,6 @@ def test_the_switch_takes_1_or_0(monkeypatch, raw, faults):
 
 
 def test_any_other_value_of_the_switch_is_refused_naming_it(monkeypatch):
-    monkeypatch.setenv(FAULTS_ENV, "true")
-    with pytest.raises(ValueError, match=f"{FAULTS_ENV}='true'"):
+    monkeypatch.setenv(FAULTS_ENV, "sometimes")
+    with pytest.raises(ValueError, match=f"{FAULTS_ENV}='sometimes'"):
         SyntheticModel()
