@@ -75,10 +75,13 @@ synth: install  ## both stacks (SluiceEks, SluiceSageMaker) into cdk.out/, offli
 # the command behind each: docs/benchmarks.md. The peers venv is best effort,
 # but a peer that cannot run is reported as failed and fails the run.
 # BENCH_ARGS="--only worker --quick" runs part of it (the plots stay as they are).
+# Every benchmark is bounded; this bounds them all (45 min), where coreutils'
+# timeout exists (stock macOS has none).
+BENCH_LIMIT := $(if $(shell command -v timeout),timeout 2700,)
 bench: install  ## the benchmark suite into bench/results/ and docs/bench-*.png
 	$(PIP) install -q -e '.[bench]'
 	bash bench/setup_peers.sh
-	timeout 2700 $(PY) -m bench $(BENCH_ARGS)  # every benchmark is bounded; this bounds them all (45 min)
+	$(BENCH_LIMIT) $(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(LS_VENV) .sluice .pytest_cache

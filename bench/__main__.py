@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 
 from bench import api, e2e, emulators, gpu, priorities, report, sdk, startup, worker
 from bench.common import ROOT, RESULTS, BenchProblems, log, machine, save
 
-# The result file a benchmark saves, where its name is not the benchmark's.
-RESULT_FILES = {"sdk": "sdk_cpu"}
+# The result file a benchmark saves, where its name is not the benchmark's (a
+# GPU dry run keeps a real gpu.json, perhaps copied here from a device, intact).
+RESULT_FILES = {"sdk": "sdk_cpu", **({"gpu": "gpu-dry-run"} if os.environ.get("SLUICE_GPU_DRY_RUN") == "1" else {})}
 
 SUITE = {
     "emulators": emulators.main,
