@@ -19,7 +19,7 @@ from constructs import Construct
 from cdk.api_construct import SUBMIT_ROUTES, Api
 from cdk.config import PRIORITIES, SluiceConfig
 from cdk.queues_construct import Queues
-from sluice.worker.metrics import DIMENSIONS as WORKER_DIMENSIONS
+from sluice.worker.metrics import dimensions as worker_dimensions
 from sluice.worker.metrics import METRICS as WORKER_METRICS
 from sluice.worker.metrics import NAMESPACE as WORKER_NAMESPACE
 
@@ -30,14 +30,15 @@ FIVE_MINUTES = Duration.minutes(5)
 POLL_ROUTE = ("GET", "/v1/tasks/{task_id}")
 
 
-def worker_metric(name: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
-    """A metric the workers emit (sluice.worker.metrics): the same namespace and dimension."""
+def worker_metric(name: str, deployment: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
+    """A metric the workers of `deployment` (the stack's name_prefix) emit
+    (sluice.worker.metrics): the same namespace and dimensions."""
     if name not in WORKER_METRICS:
         raise ValueError(f"workers emit no metric {name!r}; they emit {', '.join(WORKER_METRICS)}")
     return cw.Metric(
         namespace=WORKER_NAMESPACE,
         metric_name=name,
-        dimensions_map=dict(WORKER_DIMENSIONS),
+        dimensions_map=worker_dimensions(deployment),
         statistic=statistic,
         period=MINUTE,
         label=label or name,
@@ -266,16 +267,16 @@ class Observability(Construct):
 
         # ----------------------------------------------------------- workers
         outcomes = [
-            worker_metric("TasksSucceeded", "Sum", "succeeded"),
-            worker_metric("TaskAttemptsFailed", "Sum", "failed attempts"),
-            worker_metric("TaskAttemptsDropped", "Sum", "dropped (task final already)"),
-            worker_metric("TasksHandedBack", "Sum", "handed back unrun"),
+            worker_metric("TasksSucceeded", config.name_prefix, "Sum", "succeeded"),
+            worker_metric("TaskAttemptsFailed", config.name_prefix, "Sum", "failed attempts"),
+            worker_metric("TaskAttemptsDropped", config.name_prefix, "Sum", "dropped (task final already)"),
+            worker_metric("TasksHandedBack", config.name_prefix, "Sum", "handed back unrun"),
         ]
         # Every batch's size summed over all workers, per second: an Average of
         # a per-worker figure would show one worker's rate however many run.
         inputs_per_s = cw.MathExpression(
             expression="inputs / PERIOD(inputs)",
-            using_metrics={"inputs": worker_metric("BatchSize", "Sum")},
+            using_metrics={"inputs": worker_metric("BatchSize", config.name_prefix, "Sum")},
             period=MINUTE,
             label="all workers",
         )
@@ -303,20 +304,20 @@ class Observability(Construct):
             graph("Lambda duration (ms)", fn_duration),
         )
         self.dashboard.add_widgets(
-            graph("Batch size", [worker_metric("BatchSize", "Average", "avg"), worker_metric("BatchSize", "Maximum", "max")]),
+            graph("Batch size", [worker_metric("BatchSize", config.name_prefix, "Average", "avg"), worker_metric("BatchSize", config.name_prefix, "Maximum", "max")]),
             graph(
                 "Inference latency (ms)",
-                [worker_metric("InferenceLatency", "p50", "p50"), worker_metric("InferenceLatency", "p99", "p99")],
+                [worker_metric("InferenceLatency", config.name_prefix, "p50", "p50"), worker_metric("InferenceLatency", config.name_prefix, "p99", "p99")],
             ),
             graph("Throughput (inputs/s)", [inputs_per_s],
-                  [worker_metric("Throughput", "Average", "per worker, while inferring")]),
+                  [worker_metric("Throughput", config.name_prefix, "Average", "per worker, while inferring")]),
         )
         if endpoint_graphs:
             self.dashboard.add_widgets(*endpoint_graphs)
         gpu_left, gpu_right = list(gpu_metrics), []
         if worker_gpu:
-            gpu_left.insert(0, worker_metric("GpuUtilization", "Average"))
-            gpu_right.append(worker_metric("GpuMemoryUsed", "Maximum", "GpuMemoryUsed (MB)"))
+            gpu_left.insert(0, worker_metric("GpuUtilization", config.name_prefix, "Average"))
+            gpu_right.append(worker_metric("GpuMemoryUsed", config.name_prefix, "Maximum", "GpuMemoryUsed (MB)"))
         self.dashboard.add_widgets(
             graph("GPU utilization (%) and memory" if worker_gpu else "GPU utilization and memory (%)",
                   gpu_left, gpu_right, width=12),

@@ -160,6 +160,8 @@ class SageMakerWorkers(Construct):
                 "SLUICE_BUCKET": storage.bucket.bucket_name,
                 **config.lifecycle_env,
                 "SLUICE_MODELS": config.models,
+                # Its metrics' deployment dimension, as the dashboard reads them.
+                "SLUICE_QUEUE_PREFIX": config.name_prefix,
             },
         )
         fn = self.dispatcher.function

@@ -47,11 +47,12 @@ def dispatcher() -> Dispatcher:
             config=Config(read_timeout=timeout + 5, connect_timeout=5,
                           retries={"mode": "standard", "total_max_attempts": 1}),
         )
+        settings = Settings()
         _dispatcher = Dispatcher(
-            Settings(),
+            settings,
             os.environ["SLUICE_SAGEMAKER_ENDPOINT"],
             runtime,
-            WorkerMetrics(),
+            WorkerMetrics(settings=settings),
             concurrency=int(os.environ.get("SLUICE_DISPATCH_CONCURRENCY", "8")),
         )
     return _dispatcher

@@ -50,7 +50,16 @@ _ENVELOPE_BYTES = 4096
 # the standard library (never torch: it reads torch only if a worker loaded it).
 NAMESPACE = "Sluice"
 SERVICE = "worker"  # Powertools makes it the `service` dimension of every metric
-DIMENSIONS = {"service": SERVICE}
+# Which deployment's workers (SLUICE_QUEUE_PREFIX, the stack's name_prefix): two
+# stacks side by side in one account and region would otherwise add up in one series.
+DEPLOYMENT = "deployment"
+
+
+def dimensions(deployment: str) -> dict[str, str]:
+    """Every worker metric's dimensions, as emitted (Powertools puts its default
+    dimension first) and as the dashboard reads them."""
+    return {DEPLOYMENT: deployment, "service": SERVICE}
+
 METRICS = (
     "BatchSize",
     "InferenceLatency",
@@ -68,9 +77,11 @@ METRICS = (
 
 class WorkerMetrics:
     def __init__(self, namespace: str = NAMESPACE, settings: Settings | None = None):
-        """`settings` chooses the sink (`metrics_sink`) and makes the CloudWatch
-        client; without them metrics go to stdout."""
+        """`settings` chooses the sink (`metrics_sink`), names the deployment
+        (`queue_prefix`) and makes the CloudWatch client; without them metrics
+        go to stdout, for the default deployment `sluice`."""
         self._metrics = Metrics(namespace=namespace, service=SERVICE)
+        self._metrics.set_default_dimensions(**{DEPLOYMENT: settings.queue_prefix if settings else "sluice"})
         self._settings = settings
         self._sink = settings.metrics_sink if settings is not None else "stdout"
         # Sets that filled up between flushes (cloudwatch sink), kept for the next one.

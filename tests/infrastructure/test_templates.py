@@ -716,6 +716,8 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
     env = dispatcher["Environment"]["Variables"]
     assert int(env["SLUICE_DISPATCH_CONCURRENCY"]) >= config.dispatcher_batch_size
     assert int(env["SLUICE_INVOKE_TIMEOUT_S"]) + 5 < dispatcher["Timeout"]
+    # Its metrics' deployment dimension: the one the stack's dashboard reads.
+    assert env["SLUICE_QUEUE_PREFIX"] == config.name_prefix
 
     invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
     (statement,) = invoke

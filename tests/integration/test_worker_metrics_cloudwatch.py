@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import boto3
 import pytest
 
-from sluice.worker.metrics import DIMENSIONS, METRICS, NAMESPACE, WorkerMetrics
+from sluice.worker.metrics import METRICS, NAMESPACE, WorkerMetrics, dimensions
 from tests.http_stub import serving
 
+DIMENSIONS = dimensions("sluice")  # the default deployment's
 CW_DIMENSIONS = [{"Name": k, "Value": v} for k, v in DIMENSIONS.items()]
 
 
@@ -35,7 +36,8 @@ def sink(settings, monkeypatch, capsys):
     """A WorkerMetrics with the cloudwatch sink, on a GPU, from an empty metric set."""
     monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
     monkeypatch.setitem(sys.modules, "torch", fake_torch())
-    metrics = WorkerMetrics(settings=settings.model_copy(update={"metrics_sink": "cloudwatch"}))
+    # The default deployment (its prefix is only the metrics' dimension here).
+    metrics = WorkerMetrics(settings=settings.model_copy(update={"metrics_sink": "cloudwatch", "queue_prefix": "sluice"}))
     metrics._metrics.clear_metrics()  # Powertools shares its metric set across instances
     capsys.readouterr()
     return metrics

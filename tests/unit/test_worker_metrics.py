@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 
 import sluice.worker.metrics as worker_metrics
-from sluice.worker.metrics import DIMENSIONS, METRICS, NAMESPACE, WorkerMetrics
+from sluice.worker.metrics import METRICS, NAMESPACE, WorkerMetrics, dimensions
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_METRICS = {"GpuUtilization", "GpuMemoryUsed"}
+DIMENSIONS = dimensions("sluice")  # the default deployment's
 DIMENSIONS_ROW = [part for item in DIMENSIONS.items() for part in item]  # as a dashboard row names them
 
 
@@ -71,7 +72,7 @@ def test_a_gpu_worker_prints_every_metric_in_the_namespace_and_dimension(capsys,
     [directive] = emf["_aws"]["CloudWatchMetrics"]
     assert directive["Namespace"] == NAMESPACE == "Sluice"  # the namespace docs/architecture.md names
     assert directive["Dimensions"] == [list(DIMENSIONS)]
-    assert {name: emf[name] for name in DIMENSIONS} == DIMENSIONS == {"service": "worker"}
+    assert {name: emf[name] for name in DIMENSIONS} == DIMENSIONS == {"service": "worker", "deployment": "sluice"}
     units = {m["Name"]: m["Unit"] for m in directive["Metrics"]}
     assert units == {
         "BatchSize": "Count", "InferenceLatency": "Milliseconds", "Throughput": "Count/Second",
@@ -228,7 +229,7 @@ def test_put_requests_stay_within_put_metric_data_limits():
         assert len(request["MetricData"]) <= 1000
         for datum in request["MetricData"]:
             assert len(datum["Values"]) == len(datum["Counts"]) <= 150
-            assert datum["Dimensions"] == [{"Name": "service", "Value": "worker"}]
+            assert datum["Dimensions"] == [{"Name": k, "Value": v} for k, v in DIMENSIONS.items()]
             assert datum["Unit"] == "Milliseconds"
         for protocol in ("query", "json", "smithy-rpc-v2-cbor"):  # whichever botocore picks
             body = create_serializer(protocol).serialize_to_request(request, operation)["body"]
@@ -241,7 +242,7 @@ def test_put_requests_stay_within_put_metric_data_limits():
     assert len(requests) > 1
 
 
-def _synth_observability() -> tuple[list[dict], list[dict]]:
+def _synth_observability(config=None) -> tuple[list[dict], list[dict]]:
     """The Observability construct's resources and its dashboard's widgets,
     synthesized in a stack of its own (queues real, the API stage's metrics
     stand-ins)."""
@@ -259,7 +260,7 @@ def _synth_observability() -> tuple[list[dict], list[dict]]:
                                               "metric_latency")})
     queues = SimpleNamespace(queues={p: sqs.Queue(stack, f"Queue{p}") for p in PRIORITIES},
                              dlqs={p: sqs.Queue(stack, f"Dlq{p}") for p in PRIORITIES})
-    Observability(stack, "Observability", config=SluiceConfig(), queues=queues, api=SimpleNamespace(stage=stage),
+    Observability(stack, "Observability", config=config or SluiceConfig(), queues=queues, api=SimpleNamespace(stage=stage),
                   functions={}, gpu_metrics=[], dashboard_name="probe")
     resources = list(Template.from_stack(stack).to_json()["Resources"].values())
     [dashboard] = [r for r in resources if r["Type"] == "AWS::CloudWatch::Dashboard"]
@@ -269,10 +270,10 @@ def _synth_observability() -> tuple[list[dict], list[dict]]:
     return resources, json.loads(text)["widgets"]
 
 
-def _dashboard_and_alarm_metrics() -> list[tuple[str, str, dict]]:
+def _dashboard_and_alarm_metrics(config=None) -> list[tuple[str, str, dict]]:
     """(namespace, name, dimensions) of every metric the Observability
     construct graphs or alarms on."""
-    resources, widgets = _synth_observability()
+    resources, widgets = _synth_observability(config)
     found = []
     for widget in widgets:
         for row in widget["properties"].get("metrics", []):
@@ -300,6 +301,27 @@ def test_the_dashboard_reads_the_workers_metrics_where_they_land():
     assert {name for _, name, _ in ours} == set(METRICS)  # every one it prints, and nothing else
 
 
+def test_each_deployment_s_dashboard_reads_its_own_workers_metrics(monkeypatch):
+    # Two stacks side by side in one account (each its own name_prefix): their
+    # workers' series must not add up on either dashboard.
+    pytest.importorskip("aws_cdk")
+    from cdk.config import SluiceConfig
+
+    found = _dashboard_and_alarm_metrics(SluiceConfig(name_prefix="acme"))
+    ours = [dims for namespace, _, dims in found if not namespace.startswith("AWS/")]
+    assert ours and all(dims == dimensions("acme") for dims in ours), ours
+    # What a worker of that stack emits (SluiceEks and the dispatcher pass SLUICE_QUEUE_PREFIX).
+    from sluice.settings import Settings
+
+    metrics = WorkerMetrics(settings=Settings(queue_prefix="acme"))
+    metrics.record_batch(4, 10.0)
+    lines = []
+    monkeypatch.setattr("builtins.print", lambda line, **_: lines.append(line))
+    metrics.flush()
+    [emf] = [json.loads(line) for line in lines]
+    assert {name: emf[name] for name in dimensions("acme")} == dimensions("acme")
+
+
 def test_the_dashboard_shows_the_inputs_per_second_of_all_workers_together():
     pytest.importorskip("aws_cdk")
     _, widgets = _synth_observability()
@@ -324,7 +346,7 @@ def test_a_dashboard_metric_the_workers_do_not_print_fails_the_synth():
     from cdk.observability_construct import worker_metric
 
     with pytest.raises(ValueError, match="BatchSizes"):
-        worker_metric("BatchSizes")
+        worker_metric("BatchSizes", "sluice")
 
 
 def test_the_cdk_app_reads_the_names_without_loading_torch():
