@@ -65,6 +65,9 @@ MetadataValue = Annotated[str, StringConstraints(max_length=256)]
 TaskInputs = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS_PER_TASK)]
 # The API's path and header parameters (sluice/api/app.py).
 TaskId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
+# An API key's id on AWS (API Gateway's, alphanumeric), a tenant name on-prem
+# (sluice.adapters.api_keys.check_tenant: 64 at most); it names S3 keys too.
+TenantId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
 IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)]
 WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)]  # nan, inf: "finite_number", not a bound
 
@@ -259,8 +262,11 @@ class TaskMessage(_Strict):
     model_config = ConfigDict(extra="ignore", use_enum_values=False)
 
     v: int = SCHEMA_VERSION
-    task_id: str
-    tenant_id: str
+    # Bounded as the API makes them: a message with an id DynamoDB refuses as a
+    # key (empty, over 2048 bytes) would fail its whole batch's claim on AWS
+    # (moto lets it through); unparseable, it is dropped alone.
+    task_id: TaskId
+    tenant_id: TenantId
     model: str
     priority: Priority
     input_count: int = Field(ge=1, description="Lets the batcher pack without fetching the inputs.")

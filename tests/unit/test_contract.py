@@ -109,3 +109,16 @@ def test_openapi_request_schema_comes_from_the_contract():
     inputs = components["SubmitRequest"]["properties"]["inputs"]
     assert inputs["maxItems"] == MAX_INPUTS_PER_TASK and inputs["minItems"] == 1
     assert set(components["SubmitRequest"]["required"]) == {"model", "inputs"}
+
+
+@pytest.mark.parametrize("field, value", [("task_id", ""), ("task_id", "x" * 2100), ("task_id", "a/b"),
+                                          ("tenant_id", ""), ("tenant_id", "t" * 200)])
+def test_a_message_with_an_id_dynamodb_or_s3_would_refuse_is_no_task(field, value):
+    # On AWS an empty or 2 KB key fails the whole batch's claim (BatchGetItem's
+    # ValidationException; moto lets it through): unparseable, it is dropped alone.
+    good = TaskMessage(task_id="a" * 32, tenant_id="tenant-a", model="synthetic", priority=Priority.normal,
+                       input_count=1, inputs=["x"], enqueued_at=0)
+    body = json.loads(good.model_dump_json())
+    body[field] = value
+    with pytest.raises(ValidationError):
+        TaskMessage.model_validate_json(json.dumps(body))
