@@ -196,6 +196,9 @@ def test_the_stack_emulates_sqs_dynamodb_cloudwatch_and_s3():
         assert environment["AWS_ENDPOINT_URL_S3"] == "http://minio:9000"
         # The generic endpoint would send every service to one server.
         assert "AWS_ENDPOINT_URL" not in environment
+    # The emulated CloudWatch gets the workers' metrics: as EMF lines on stdout
+    # (the default sink) nothing here would turn them into metrics.
+    assert all(services[w]["environment"]["SLUICE_METRICS_SINK"] == "cloudwatch" for w in WORKERS)
 
 
 def test_init_bootstraps_before_api_and_workers_start():
