@@ -119,16 +119,25 @@ class WorkerMetrics:
         while not self._stopping.wait(interval_s):
             self.flush()
 
-    def record_batch(self, size: int, inference_ms: float) -> None:
+    def record_batch(self, size: int, inference_ms: float, busy: bool = True) -> None:
+        """`busy=False`: the batch ran beside others (the dispatcher's parallel
+        endpoint calls), whose span the caller gives record_busy instead: a sum
+        of overlapping times would understate Throughput by the overlap."""
         with self._lock:
             self.batches += 1
             self.inputs += size
             self._inputs_since_flush += size
-            self._inference_ms_since_flush += inference_ms
+            if busy:
+                self._inference_ms_since_flush += inference_ms
             self._recorded = True
             self._add("BatchSize", MetricUnit.Count, size)
             self._add("InferenceLatency", MetricUnit.Milliseconds, inference_ms)
             self._gpu()
+
+    def record_busy(self, inference_ms: float) -> None:
+        """Wall-clock time in which batches recorded with busy=False ran."""
+        with self._lock:
+            self._inference_ms_since_flush += inference_ms
 
     def record_outcomes(self, outcomes, finished_at_ms: int, rejected: Collection[str] = ()) -> None:
         """`rejected`: the ids of tasks whose outcome write was refused. Their

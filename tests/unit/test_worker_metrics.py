@@ -117,6 +117,19 @@ def test_throughput_is_over_the_time_spent_inferring_not_the_time_since_the_last
     assert values(emf, "Throughput") == [pytest.approx(100.0)]  # 20 inputs in 0.2 s of inference
 
 
+def test_throughput_of_batches_run_at_once_is_over_their_span(capsys, monkeypatch):
+    # The SageMaker dispatcher's endpoint calls run in parallel: 8 calls of 10
+    # inputs, 1 s each, all at once, are 80 inputs a second, not 10.
+    metrics = fresh_metrics(capsys, monkeypatch)
+    for _ in range(8):
+        metrics.record_batch(10, 1000, busy=False)
+    metrics.record_busy(1000)
+    metrics.flush()
+    [emf] = printed(capsys)
+    assert values(emf, "Throughput") == [pytest.approx(80.0)]
+    assert values(emf, "InferenceLatency") == [1000] * 8  # each call's own time
+
+
 def test_a_started_worker_publishes_a_burst_without_waiting_for_another_task(capsys, monkeypatch):
     metrics = fresh_metrics(capsys, monkeypatch)
     published = threading.Event()
