@@ -244,7 +244,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             rule = f"must be application/json, not {content_type}" if content_type else \
                 "must be application/json; the request has none"
             err = ApiError(415, "unsupported_media_type", "send the body as JSON: Content-Type: application/json",
-                           [ErrorDetail(field="content-type", rule=rule)])
+                           [ErrorDetail(field="header.Content-Type", rule=rule)])
             return JSONResponse(err.body(), status_code=415)
         return _validation_error(exc)
 

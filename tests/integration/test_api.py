@@ -353,7 +353,7 @@ def test_a_body_not_sent_as_json_is_415_naming_the_header(api):
         assert response.status_code == 415, response.text
         error = response.json()["error"]
         assert error["code"] == "unsupported_media_type"
-        assert error["details"] == [{"field": "content-type", "rule": f"must be application/json, not {content_type}"}]
+        assert error["details"] == [{"field": "header.Content-Type", "rule": f"must be application/json, not {content_type}"}]
     sent = api.post("/v1/tasks", content=body,
                     headers={"x-api-key": api.key_a, "content-type": "application/json; charset=utf-8"})
     assert sent.status_code == 202
@@ -368,7 +368,7 @@ def test_a_body_sent_without_a_content_type_is_415_naming_the_header(api, settin
         assert response.status_code == 415, response.text
         error = response.json()["error"]
         assert error["code"] == "unsupported_media_type"
-        assert [d["field"] for d in error["details"]] == ["content-type"] and error["details"][0]["rule"]
+        assert [d["field"] for d in error["details"]] == ["header.Content-Type"] and error["details"][0]["rule"]
     # Neither a header nor a body: it is the body that is missing.
     empty = api.post("/v1/tasks", headers={"x-api-key": api.key_a})
     assert empty.status_code == 422 and empty.json()["error"]["details"][0]["field"] == "body", empty.text
