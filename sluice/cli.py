@@ -148,15 +148,26 @@ def _call(method: str, path: str, body: dict | None = None, args=None,
         payload = json.loads(raw or b"{}")
     except ValueError:
         payload = None
-    if status < 300 and not isinstance(payload, dict):
-        # Another service at the URL (a login proxy, a web page): a success from
-        # it would read as a task submitted or found.
+    # Every route the CLI calls answers a task on success.
+    if status < 300 and not (isinstance(payload, dict) and isinstance(payload.get("task_id"), str)):
+        # Another service at the URL (a login proxy, a web page, another JSON
+        # API): a success from it would read as a task submitted or found.
         shown = raw.decode("utf-8", "replace")[:200].replace("\n", " ")
         raise ApiUnusable(f"sluice: {url} answered {status} with a body that is not the Sluice API's JSON: {shown}",
                           transient=False)
     if payload is None:  # an error page (a proxy's, a gateway's): shown as it came
         payload = {"error": {"code": "not_json", "message": raw.decode("utf-8", "replace")[:2000]}}
     return status, payload, headers
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
 
 
 def _http(method: str, path: str, body: dict | None = None, args=None) -> tuple[int, dict]:
@@ -373,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--priority", default="normal", choices=["high", "normal", "low"])
     p.add_argument("--deadline", type=int, help="seconds")
     p.add_argument("--wait", action="store_true", help="poll until the task is final (exit status: below)")
-    p.add_argument("--timeout", type=float, default=60, help="seconds --wait waits (default: 60)")
+    p.add_argument("--timeout", type=_positive_seconds, default=60, help="seconds --wait waits (default: 60)")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("get", help="show a task")

@@ -201,13 +201,34 @@ class NotTheApi(BaseHTTPRequestHandler):
         pass
 
 
+class AnotherJsonApi(NotTheApi):
+    def do_GET(self):
+        data = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_POST = do_DELETE = do_GET
+
+
+@pytest.mark.parametrize("server, shown", [(NotTheApi, "<html>"), (AnotherJsonApi, '{"ok": true}')],
+                         ids=["a web page", "another JSON API"])
 @pytest.mark.parametrize("command", [["submit", "hello"], ["submit", "--wait", "hello"], ["get", "t1"]])
-def test_a_2xx_that_is_not_the_api_s_json_is_an_error_not_a_success(capsys, command):
-    with serving(NotTheApi) as url:
+def test_a_2xx_that_is_not_the_api_s_json_is_an_error_not_a_success(capsys, command, server, shown):
+    with serving(server) as url:
         assert cli.main(["--url", url, "--api-key", "k", *command]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
-    assert "is not the Sluice API's JSON" in captured.err and "<html>" in captured.err, captured.err
+    assert "is not the Sluice API's JSON" in captured.err and shown in captured.err, captured.err
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "soon"])
+def test_a_wait_timeout_that_is_not_a_positive_number_is_refused_before_submitting(capsys, timeout):
+    with serving(AnotherJsonApi) as url, pytest.raises(SystemExit) as refused:
+        cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", timeout, "hello"])
+    assert refused.value.code == 2 and "--timeout" in capsys.readouterr().err
 
 
 def test_a_poll_that_never_answers_is_given_up_at_the_timeout_not_after_the_request_s(scripted, capsys):
