@@ -24,14 +24,29 @@ from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
 from sluice.settings import SettingsError
 
-STATE_FILE = Path(os.environ.get("SLUICE_STATE_DIR", ".sluice")) / "embedded.json"
+# None: SLUICE_STATE_DIR's, or the nearest .sluice/ from the current folder up
+# (make run keeps it at the repository's root: a CLI run from sluice/ or tests/
+# must find it, not fall through to the operator's AWS account).
+STATE_FILE: Path | None = None
+
+
+def _state_file() -> Path:
+    if STATE_FILE is not None:
+        return STATE_FILE
+    if os.environ.get("SLUICE_STATE_DIR"):
+        return Path(os.environ["SLUICE_STATE_DIR"]) / "embedded.json"
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / ".sluice" / "embedded.json").is_file():
+            return folder / ".sluice" / "embedded.json"
+    return Path(".sluice") / "embedded.json"
 
 
 def _state() -> dict:
     """The running `make run`'s state. A file left by a launcher that was killed
     is ignored: its emulator is gone, and an operator meaning AWS would be sent there."""
     try:
-        state = json.loads(STATE_FILE.read_text())
+        state = json.loads(_state_file().read_text())
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) and _alive(state.get("pid")) else {}
@@ -74,7 +89,7 @@ def _use_embedded_endpoints() -> None:
         for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
             os.environ.pop(name, None)
         endpoints = ", ".join(v for k, v in sorted(env.items()) if k.startswith("AWS_ENDPOINT_URL"))
-        print(f"sluice: using the `make run` emulator at {endpoints} ({STATE_FILE})", file=sys.stderr)
+        print(f"sluice: using the `make run` emulator at {endpoints} ({_state_file()})", file=sys.stderr)
 
 
 def _settings():

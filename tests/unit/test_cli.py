@@ -277,3 +277,18 @@ def test_a_missing_aws_profile_is_one_line_naming_it(tmp_path, monkeypatch, caps
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("sluice dlq list: AWS_PROFILE names no profile") and "no-such-profile" in err, err
     assert "region us-east-1" in err, err
+
+
+def test_the_state_of_make_run_is_found_from_a_folder_below_the_repository(tmp_path, monkeypatch):
+    # make run keeps .sluice/ at the repository's root; a CLI run from sluice/ or
+    # tests/ that missed it would send `keys create` or `dlq redrive` to AWS.
+    monkeypatch.delenv("SLUICE_STATE_DIR", raising=False)
+    monkeypatch.setattr(cli, "_alive", lambda pid: pid == 4242)  # a running launcher's
+    (tmp_path / ".sluice").mkdir()
+    (tmp_path / ".sluice" / "embedded.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": 4242}))
+    below = tmp_path / "sluice" / "api"
+    below.mkdir(parents=True)
+    monkeypatch.chdir(below)
+    assert cli._state()["url"] == "http://127.0.0.1:9"
+    monkeypatch.setenv("SLUICE_STATE_DIR", str(tmp_path / "elsewhere"))  # named: only there
+    assert cli._state() == {}
