@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import Counter
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -546,14 +547,23 @@ class TaskService:
                 self.compensator.undo(kept, token)
             self._discard_inputs(uploaded)
             raise next(iter(errors.values()))
-        return BatchAccepted(tasks=[self._accepted(r, depths[r.priority]) for r, _ in built])
+        # Each behind the batch's earlier tasks of its priority (those of higher
+        # priorities are in the queue estimates already).
+        earlier: Counter[Priority] = Counter()
+        accepted = []
+        for r, _ in built:
+            accepted.append(self._accepted(r, depths[r.priority], earlier[r.priority]))
+            earlier[r.priority] += 1
+        return BatchAccepted(tasks=accepted)
 
-    def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
+    def _accepted(self, record: TaskRecord, depth: int, batch_ahead: int = 0) -> TaskAccepted:
+        """`depth`: the priority's depth before this submit sent anything;
+        `batch_ahead`: its batch's tasks of that priority sent before it."""
         ahead = 0
         if record.status == TaskStatus.queued:  # an idempotent retry may find it finished
             # `depth` is what the cap was held against; the position counts down
             # at the workers' pace since the queue was read, as the others do.
-            ahead = min(depth, self.backlog.estimate(record.priority))
+            ahead = min(depth, self.backlog.estimate(record.priority)) + batch_ahead
             if record.priority != Priority.high:
                 ahead += self.backlog.estimate(Priority.high)
             if record.priority == Priority.low:
