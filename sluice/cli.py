@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from email.message import Message
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def _base_url(args) -> str:
 
 
 def _call(method: str, path: str, body: dict | None = None, args=None,
-          timeout_s: float | None = None) -> tuple[int, dict, Message]:
+          timeout_s: float | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict, Message]:
     """`timeout_s`: how long to wait for the answer (_TIMEOUT_S by default)."""
     timeout_s = _TIMEOUT_S if timeout_s is None else timeout_s
     url = _base_url(args)
@@ -136,7 +137,7 @@ def _call(method: str, path: str, body: dict | None = None, args=None,
         url.rstrip("/") + path,
         method=method,
         data=json.dumps(body).encode() if body is not None else None,
-        headers={"content-type": "application/json", **({"x-api-key": key} if key else {})},
+        headers={"content-type": "application/json", **({"x-api-key": key} if key else {}), **(headers or {})},
     )
     try:
         try:
@@ -211,7 +212,7 @@ def cmd_submit(args) -> int:
     body = {"model": args.model, "inputs": args.inputs, "priority": args.priority}
     if args.deadline is not None:  # 0 too: the API says why it is refused
         body["deadline_s"] = args.deadline
-    status, payload = _http("POST", "/v1/tasks", body, args)
+    status, payload = _submit(body, args)
     if status >= 400 or not args.wait:
         return _print(status, payload)
     task_id = payload["task_id"]
@@ -247,6 +248,32 @@ def cmd_submit(args) -> int:
         return _not_followed(task_id, f"{trouble} until --timeout {args.timeout:g} s")
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2
+
+
+# A submit that got no answer, or a 503 or 429, is sent again this many times
+# in all, under the same Idempotency-Key: the API then creates the task once.
+SUBMIT_TRIES = 3
+
+
+def _submit(body: dict, args) -> tuple[int, dict]:
+    key = args.idempotency_key or uuid.uuid4().hex
+    for attempt in range(1, SUBMIT_TRIES + 1):
+        try:
+            status, payload, headers = _call("POST", "/v1/tasks", body, args, headers={"Idempotency-Key": key})
+        except ApiUnusable as exc:
+            if not exc.transient:
+                raise
+            if attempt == SUBMIT_TRIES:
+                # The request may have been taken before its answer was lost.
+                raise ApiUnusable(f"{exc}; the task may have been created: send it again with "
+                                  f"--idempotency-key {key} to get it, never a second one", transient=True) from None
+            time.sleep(1.0)
+            continue
+        if status in (429, 503) and attempt < SUBMIT_TRIES:
+            time.sleep(min(_retry_after(headers), 5.0))
+            continue
+        return status, payload
+    raise AssertionError("unreachable")
 
 
 def _not_followed(task_id: str, why: str) -> int:
@@ -400,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=int, help="seconds")
     p.add_argument("--wait", action="store_true", help="poll until the task is final (exit status: below)")
     p.add_argument("--timeout", type=_positive_seconds, default=60, help="seconds --wait waits (default: 60)")
+    p.add_argument("--idempotency-key", help="the submit's Idempotency-Key (default: a new one); the CLI resends "
+                   "a submit that got no answer, a 503 or a 429 under it, up to 3 tries in all")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("get", help="show a task")

@@ -25,9 +25,17 @@ class Scripted(BaseHTTPRequestHandler):
     gets: list[str] = []
     released: threading.Event
 
+    posts: list = []  # steps for the submits, as `polls` (none: each accepted)
+    post_keys: list[str] = []
+
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        self.answer(202, {"task_id": "t1", "status": "queued"})
+        self.post_keys.append(self.headers.get("Idempotency-Key"))
+        step = self.posts[min(len(self.post_keys), len(self.posts)) - 1] if self.posts else \
+            (202, {"task_id": "t1", "status": "queued"})
+        if step == "drop":
+            return
+        self.answer(*step)
 
     def do_GET(self):
         self.gets.append(self.path)
@@ -58,7 +66,8 @@ class Scripted(BaseHTTPRequestHandler):
 @pytest.fixture
 def scripted():
     """Serves a Scripted of its own; yields (url, handler class): set its `polls`."""
-    handler = type("Api", (Scripted,), {"polls": [], "gets": [], "released": threading.Event()})
+    handler = type("Api", (Scripted,), {"polls": [], "gets": [], "posts": [], "post_keys": [],
+                                        "released": threading.Event()})
     with serving(handler) as url:
         yield url, handler
         handler.released.set()
@@ -238,3 +247,34 @@ def test_a_poll_that_never_answers_is_given_up_at_the_timeout_not_after_the_requ
     assert cli.main(["--url", url, "--api-key", "k", "submit", "--wait", "--timeout", "1", "hello"]) == 4
     assert time.monotonic() - started < 10, "waited out the 30 s request timeout"
     assert "t1" in capsys.readouterr().err
+
+
+ACCEPTED = (202, {"task_id": "t1", "status": "queued"})
+
+
+@pytest.mark.parametrize("blip", ["drop", (503, {"error": {"code": "dependency_unavailable", "message": "down"}},
+                                           {"Retry-After": "0"})])
+def test_a_submit_without_an_answer_is_sent_again_under_the_same_idempotency_key(scripted, capsys, blip):
+    # The first may have been taken before its answer was lost: the key makes
+    # the API create the task once, whichever try it saw.
+    url, api = scripted
+    api.posts = [blip, ACCEPTED]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "hello"]) == 0
+    assert json.loads(capsys.readouterr().out)["task_id"] == "t1"
+    assert len(api.post_keys) == 2 and api.post_keys[0] and api.post_keys[0] == api.post_keys[1]
+
+
+def test_a_submit_never_answered_names_the_key_to_send_it_again_with(scripted, capsys):
+    url, api = scripted
+    api.posts = ["drop"]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--idempotency-key", "job-42", "hello"]) == 1
+    err = capsys.readouterr().err
+    assert len(api.post_keys) == cli.SUBMIT_TRIES and set(api.post_keys) == {"job-42"}
+    assert len(err.strip().splitlines()) == 1 and "--idempotency-key job-42" in err, err
+
+
+def test_each_submit_has_a_key_of_its_own(scripted, capsys):
+    url, api = scripted
+    for _ in range(2):
+        assert cli.main(["--url", url, "--api-key", "k", "submit", "hello"]) == 0
+    assert len(set(api.post_keys)) == 2
