@@ -196,30 +196,25 @@ def test_a_redirect_is_refused_not_followed_with_the_key(monkeypatch, capsys, co
 class NotTheApi(BaseHTTPRequestHandler):
     """Some other service at --url (a login proxy, a web page): 200 with HTML."""
 
-    def do_GET(self):
-        data = b"<html>sign in</html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    body, content_type = b"<html>sign in</html>", "text/html"
 
-    do_POST = do_GET
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_POST = do_DELETE = do_GET
 
     def log_message(self, *args):
         pass
 
 
 class AnotherJsonApi(NotTheApi):
-    def do_GET(self):
-        data = b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    """Another JSON API at --url: 200 with JSON that names no task."""
 
-    do_POST = do_DELETE = do_GET
+    body, content_type = b'{"ok": true}', "application/json"
 
 
 @pytest.mark.parametrize("server, shown", [(NotTheApi, "<html>"), (AnotherJsonApi, '{"ok": true}')],
