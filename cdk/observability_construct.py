@@ -116,6 +116,10 @@ class Observability(Construct):
         def graph(title: str, left: list, right: list | None = None, width: int = 8, **kwargs) -> cw.GraphWidget:
             return cw.GraphWidget(title=title, left=left, right=right or [], width=width, height=6, **kwargs)
 
+        def workers(name: str, statistic: str = "Average", label: str | None = None) -> cw.Metric:
+            """This stack's workers' metric: its name_prefix is their deployment dimension."""
+            return worker_metric(name, config.name_prefix, statistic, label)
+
         def alarm(
             id: str, metric: cw.IMetric, threshold: float, description: str, periods: int = 1, datapoints: int | None = None
         ) -> cw.Alarm:
@@ -267,16 +271,16 @@ class Observability(Construct):
 
         # ----------------------------------------------------------- workers
         outcomes = [
-            worker_metric("TasksSucceeded", config.name_prefix, "Sum", "succeeded"),
-            worker_metric("TaskAttemptsFailed", config.name_prefix, "Sum", "failed attempts"),
-            worker_metric("TaskAttemptsDropped", config.name_prefix, "Sum", "dropped (task final already)"),
-            worker_metric("TasksHandedBack", config.name_prefix, "Sum", "handed back unrun"),
+            workers("TasksSucceeded", "Sum", "succeeded"),
+            workers("TaskAttemptsFailed", "Sum", "failed attempts"),
+            workers("TaskAttemptsDropped", "Sum", "dropped (task final already)"),
+            workers("TasksHandedBack", "Sum", "handed back unrun"),
         ]
         # Every batch's size summed over all workers, per second: an Average of
         # a per-worker figure would show one worker's rate however many run.
         inputs_per_s = cw.MathExpression(
             expression="inputs / PERIOD(inputs)",
-            using_metrics={"inputs": worker_metric("BatchSize", config.name_prefix, "Sum")},
+            using_metrics={"inputs": workers("BatchSize", "Sum")},
             period=MINUTE,
             label="all workers",
         )
@@ -304,20 +308,20 @@ class Observability(Construct):
             graph("Lambda duration (ms)", fn_duration),
         )
         self.dashboard.add_widgets(
-            graph("Batch size", [worker_metric("BatchSize", config.name_prefix, "Average", "avg"), worker_metric("BatchSize", config.name_prefix, "Maximum", "max")]),
+            graph("Batch size", [workers("BatchSize", "Average", "avg"), workers("BatchSize", "Maximum", "max")]),
             graph(
                 "Inference latency (ms)",
-                [worker_metric("InferenceLatency", config.name_prefix, "p50", "p50"), worker_metric("InferenceLatency", config.name_prefix, "p99", "p99")],
+                [workers("InferenceLatency", "p50", "p50"), workers("InferenceLatency", "p99", "p99")],
             ),
             graph("Throughput (inputs/s)", [inputs_per_s],
-                  [worker_metric("Throughput", config.name_prefix, "Average", "per worker, while inferring")]),
+                  [workers("Throughput", "Average", "per worker, while inferring")]),
         )
         if endpoint_graphs:
             self.dashboard.add_widgets(*endpoint_graphs)
         gpu_left, gpu_right = list(gpu_metrics), []
         if worker_gpu:
-            gpu_left.insert(0, worker_metric("GpuUtilization", config.name_prefix, "Average"))
-            gpu_right.append(worker_metric("GpuMemoryUsed", config.name_prefix, "Maximum", "GpuMemoryUsed (MB)"))
+            gpu_left.insert(0, workers("GpuUtilization", "Average"))
+            gpu_right.append(workers("GpuMemoryUsed", "Maximum", "GpuMemoryUsed (MB)"))
         self.dashboard.add_widgets(
             graph("GPU utilization (%) and memory" if worker_gpu else "GPU utilization and memory (%)",
                   gpu_left, gpu_right, width=12),
