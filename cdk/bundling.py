@@ -42,8 +42,8 @@ def requirements(root: Path = ROOT) -> list[str]:
     """The core dependencies plus the `api` extra, from pyproject.toml."""
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     wanted = list(project["dependencies"]) + list(project["optional-dependencies"]["api"]) + _EXTRA
-    # uvicorn is the local server; in Lambda, Mangum is.
-    skip = {"uvicorn", *_SDK}
+    # uvicorn and its parser and loop are the local server; in Lambda, Mangum is.
+    skip = {"uvicorn", "httptools", "uvloop", *_SDK}
     return sorted([r for r in wanted if _name(r) not in skip] + [f"{name}=={version(name)}" for name in _SDK])
 
 

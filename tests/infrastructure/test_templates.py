@@ -189,6 +189,7 @@ def test_lambda_bundle_has_no_torch():
     packages = {p.name.lower() for p in (layer / "python").iterdir()}
     assert "torch" not in packages and not any(p.startswith("torch-") for p in packages)
     assert {"fastapi", "mangum", "pydantic", "aws_lambda_powertools", "aws_xray_sdk"} <= packages
+    assert not packages & {"uvicorn", "httptools", "uvloop"}  # the local server's; Lambda runs Mangum
     # The AWS SDK as one tested pair: the X-Ray SDK brings botocore, so boto3 comes too,
     # rather than the runtime's older boto3 beside a newer bundled botocore.
     assert {"boto3", "botocore", "s3transfer"} <= packages
