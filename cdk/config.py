@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from sluice.contract import Priority
+from sluice.settings import models_problem
 
 Backend = Literal["eks", "sagemaker"]
 PRIORITIES = tuple(p.value for p in Priority)
@@ -187,6 +188,12 @@ class SluiceConfig:
             problems.append("longest_batch_s: 1..3600")
         if "sagemaker" in self.backends and self.longest_batch_s > 60:
             problems.append("longest_batch_s: a SageMaker real-time invocation ends after 60 s")
+        models = models_problem(self.models)
+        if models:
+            # The API, the dispatcher, the settler and the workers all refuse it
+            # as they start: after a deploy that "succeeded" (EKS) or rolls back
+            # after the endpoint's 10-minute health check (SageMaker).
+            problems.append(f"models: {self.models!r} {models[1].format(**models[2])}")
         if not 1 <= self.max_batch_size <= 10_000:
             problems.append("max_batch_size: 1..10000")
         if self.max_wait_ms < 0:

@@ -160,14 +160,9 @@ class Settings(BaseSettings):
     def _models_in_the_catalogue(cls, value: str) -> str:
         # An unknown name would leave the API serving none of them (every submit
         # 422) and fail the worker as it builds its models.
-        names = model_names_of(value)
-        known = ", ".join(CATALOGUE)
-        if not names:
-            raise PydanticCustomError("no_model", "names no model; the catalogue has {known}", {"known": known})
-        unknown = [n for n in names if n not in CATALOGUE]
-        if unknown:
-            raise PydanticCustomError("unknown_model", "unknown model {unknown}; the catalogue has {known}",
-                                      {"unknown": ", ".join(map(repr, unknown)), "known": known})
+        problem = models_problem(value)
+        if problem:
+            raise PydanticCustomError(*problem)
         return value
 
     @field_validator("s3_public_endpoint")
@@ -207,6 +202,21 @@ class Settings(BaseSettings):
 def model_names_of(models: str) -> list[str]:
     """The names in a SLUICE_MODELS value (comma-separated, blanks ignored)."""
     return [m.strip() for m in models.split(",") if m.strip()]
+
+
+def models_problem(models: str) -> tuple[str, str, dict[str, str]] | None:
+    """Why a SLUICE_MODELS value is refused, as pydantic's (type, message
+    template, context); None if every name is in the catalogue. The CDK app's
+    configuration checks its `models` with this too, before a deploy."""
+    names = model_names_of(models)
+    known = ", ".join(CATALOGUE)
+    if not names:
+        return "no_model", "names no model; the catalogue has {known}", {"known": known}
+    unknown = [n for n in names if n not in CATALOGUE]
+    if unknown:
+        return ("unknown_model", "unknown model {unknown}; the catalogue has {known}",
+                {"unknown": ", ".join(map(repr, unknown)), "known": known})
+    return None
 
 
 def _shown(value: Any) -> str:

@@ -107,3 +107,13 @@ def test_nvidia_instance_families_are_accepted(types):
     config = SluiceConfig.from_dict({"backends": "eks,sagemaker", "gpu_instance_types": types,
                                      "sagemaker_instance_type": "ml." + types.split(",")[0]})
     assert config.sagemaker_instance_type.startswith("ml.")
+
+
+@pytest.mark.parametrize("models, rule", [
+    ("minilm", "unknown model 'minilm'; the catalogue has minilm-embed, synthetic"),
+    (" , ", "names no model"),
+])
+def test_models_outside_the_catalogue_are_refused_at_synth(models, rule):
+    """Every side refuses them as it starts, which on AWS is after the deploy."""
+    with pytest.raises(ValueError, match=f"models: {models!r} {rule}"):
+        SluiceConfig.from_dict({"models": models})
