@@ -96,6 +96,12 @@ class SluiceConfig:
     dispatcher_max_concurrency: dict[str, int] = field(
         default_factory=lambda: {"high": 20, "normal": 10, "low": 4}
     )
+    # Reserve the dispatcher their sum of the region's Lambda concurrency. Unreserved,
+    # long polls can take it all (deploy.md); a throttled batch comes back only
+    # after the queue's visibility timeout with its receive count raised, and
+    # receives count as attempts. An account whose unreserved concurrency would
+    # fall under 100 refuses the reservation: turn it off there.
+    reserve_dispatcher_concurrency: bool = True
 
     # Alarms
     oldest_message_slo_s: dict[str, int] = field(
@@ -116,6 +122,10 @@ class SluiceConfig:
     def dispatcher_timeout_s(self) -> int:
         # SQS event sources require the queue's visibility >= the function timeout.
         return min(self.longest_batch_s + 30, self.visibility_timeout_s)
+
+    @property
+    def dispatcher_reserved_concurrency(self) -> int | None:
+        return sum(self.dispatcher_max_concurrency.values()) if self.reserve_dispatcher_concurrency else None
 
     @property
     def termination_grace_s(self) -> int:

@@ -50,6 +50,7 @@ class PythonFunction(Construct):
         timeout: Duration,
         memory_mb: int,
         description: str,
+        reserved_concurrency: int | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.log_group = logs.LogGroup(
@@ -78,6 +79,7 @@ class PythonFunction(Construct):
             },
             timeout=timeout,
             memory_size=memory_mb,
+            reserved_concurrent_executions=reserved_concurrency,
             tracing=lambda_.Tracing.ACTIVE,
             log_group=self.log_group,
             logging_format=lambda_.LoggingFormat.JSON,

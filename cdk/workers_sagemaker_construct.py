@@ -59,7 +59,9 @@ class SageMakerWorkers(Construct):
             iam.PolicyStatement(
                 actions=["cloudwatch:PutMetricData"],
                 resources=["*"],
-                conditions={"StringEquals": {"cloudwatch:namespace": ["/aws/sagemaker/Endpoints", "Sluice"]}},
+                # The container makes no AWS call (network isolation); the
+                # dispatcher sends the Sluice metrics.
+                conditions={"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/Endpoints"}},
             )
         )
 
@@ -150,6 +152,8 @@ class SageMakerWorkers(Construct):
             description="Sluice dispatcher: SQS batches -> SageMaker endpoint -> task table",
             timeout=Duration.seconds(config.dispatcher_timeout_s),
             memory_mb=512,
+            # As many as its event sources may run at once: never throttled (SluiceConfig).
+            reserved_concurrency=config.dispatcher_reserved_concurrency,
             environment={
                 "SLUICE_SAGEMAKER_ENDPOINT": self.endpoint_name,
                 "SLUICE_INVOKE_TIMEOUT_S": str(min(60, config.longest_batch_s)),

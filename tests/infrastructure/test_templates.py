@@ -719,6 +719,16 @@ def test_sagemaker_endpoint_autoscaling_and_dispatcher(synth):
     assert int(env["SLUICE_INVOKE_TIMEOUT_S"]) + 5 < dispatcher["Timeout"]
     # Its metrics' deployment dimension: the one the stack's dashboard reads.
     assert env["SLUICE_QUEUE_PREFIX"] == config.name_prefix
+    # Never throttled while its event sources run at their most: a throttled
+    # batch would spend a receive, which counts as an attempt.
+    assert dispatcher["ReservedConcurrentExecutions"] == sum(config.dispatcher_max_concurrency.values())
+    from cdk.config import SluiceConfig
+
+    assert SluiceConfig(reserve_dispatcher_concurrency=False).dispatcher_reserved_concurrency is None
+    # The endpoint's container makes no AWS call: its role may put SageMaker's own metrics only.
+    (put_metrics,) = [s for _, s in policy_statements(raw) if "cloudwatch:PutMetricData" in as_list(s["Action"])
+                      and "/aws/sagemaker/Endpoints" in json.dumps(s.get("Condition"))]
+    assert put_metrics["Condition"] == {"StringEquals": {"cloudwatch:namespace": "/aws/sagemaker/Endpoints"}}
 
     invoke = [s for _, s in policy_statements(raw) if "sagemaker:InvokeEndpoint" in as_list(s["Action"])]
     (statement,) = invoke
