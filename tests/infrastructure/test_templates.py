@@ -203,7 +203,7 @@ def test_lambda_bundle_has_no_torch():
 
 
 def test_lambda_code_bundle_imports_on_its_own(tmp_path):
-    """Both handlers import from the bundled first-party code alone (not the
+    """Every handler imports from the bundled first-party code alone (not the
     repository or its editable install), and importing them never loads torch."""
     import site
     import subprocess
@@ -215,12 +215,15 @@ def test_lambda_code_bundle_imports_on_its_own(tmp_path):
     probe = f"""
 import sys
 sys.path[:0] = [{str(code)!r}] + {site.getsitepackages()!r}
-import lambdas.api.handler, lambdas.dispatcher.handler, sluice, models.registry
+import lambdas.api.handler, lambdas.dispatcher.handler, lambdas.settler.handler, sluice, models.registry
 assert sluice.__file__.startswith({str(code)!r}), sluice.__file__
 assert "torch" not in sys.modules
 print("ok")
 """
-    env = {"AWS_REGION": "us-east-1", "SLUICE_AUTH_MODE": "apigateway", "PATH": "/usr/bin:/bin"}
+    env = {"AWS_REGION": "us-east-1", "SLUICE_AUTH_MODE": "apigateway", "PATH": "/usr/bin:/bin",
+           # The settler's queues, as the stack names them (no call is made at import).
+           **{f"SLUICE_QUEUE_URL_{p.upper()}": f"https://sqs.us-east-1.amazonaws.com/123456789012/sluice-{p}"
+              for p in PRIORITIES}}
     # -S: no site processing, so the editable install's path hook is not loaded.
     result = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=60)
