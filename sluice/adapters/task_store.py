@@ -123,16 +123,19 @@ class Change:
         target = self.set_values.get("status")
         return target is not None and TaskStatus(target).is_terminal
 
+    def written(self, result_ttl_s: int) -> dict[str, Any]:
+        """The values the update sets: a final change's with its `expires_at`."""
+        if self.finishes:
+            return {**self.set_values, "expires_at": self.set_values["finished_at"] // 1000 + result_ttl_s}
+        return self.set_values
+
     def update(self, table: str, result_ttl_s: int) -> dict[str, Any]:
         """The UpdateItem request; a final change's gets `expires_at`, the
         result TTL (seconds) from its `finished_at`."""
         names: dict[str, str] = {"#s": "status"}
         values: dict[str, Any] = {}
         sets = []
-        set_values = self.set_values
-        if self.finishes:
-            set_values = {**set_values, "expires_at": set_values["finished_at"] // 1000 + result_ttl_s}
-        for i, (attr, value) in enumerate(set_values.items()):
+        for i, (attr, value) in enumerate(self.written(result_ttl_s).items()):
             names[f"#a{i}"] = attr
             values[f":v{i}"] = _ser.serialize(value)
             sets.append(f"#a{i} = :v{i}")
@@ -360,13 +363,33 @@ class TaskStore:
         """The UpdateItem's response, _REJECTED when its condition failed, or
         the exception its call raised."""
         try:
-            return self.ddb.update_item(**change.update(self.table, self.result_ttl_s))
+            return self.ddb.update_item(**change.update(self.table, self.result_ttl_s),
+                                        ReturnValuesOnConditionCheckFailure="ALL_OLD")
         except ClientError as err:
             if _code(err) == "ConditionalCheckFailedException":
-                return _REJECTED
+                return {} if self._landed(change, err) else _REJECTED
             return err
         except Exception as exc:  # noqa: BLE001 - no answer (a timeout, a reset): this change's fate alone
             return exc
+
+    def _landed(self, change: Change, err: ClientError) -> bool:
+        """Whether a change refused by its condition was refused by itself: the
+        SDK resends a write whose answer was lost (a 5xx, a read timeout), and
+        when the first send landed the resend finds the status it set. Read as
+        "another run won", a worker would delete the result object the record
+        now names. The record holds every value the change sets: it landed. A
+        change that adds an attempt or returns the old values has effects a
+        resend cannot show, so it stays refused."""
+        if change.add_attempt or change.returns_old:
+            return False
+        item = err.response.get("Item")
+        if item is None:  # an emulator that does not return it (dynalite)
+            item = self.ddb.get_item(TableName=self.table, Key=_key(change.task_id), ConsistentRead=True).get("Item")
+        if not item:
+            return False
+        written = change.written(self.result_ttl_s)
+        return all(attr in item and _plain(item[attr]) == _plain(_ser.serialize(value)) for attr, value in written.items()) \
+            and not any(attr in item for attr in change.remove)
 
 
 _REJECTED = object()  # _apply_one's answer for a change whose condition failed
