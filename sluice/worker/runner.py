@@ -211,17 +211,30 @@ class BatchRunner:
         unwritten = [d for o in plan.unwritten for d in o.job.deliveries]
         if release:
             release(done + to_dlq + to_retry + unwritten)
+        # Each step is made whatever the one before did (a failed delete comes
+        # back and is acknowledged by its next receive); the first error is
+        # raised after all of them.
+        steps = []
         if done:
-            self.queues.delete_many(done)
+            steps.append(lambda: self.queues.delete_many(done))
         if to_dlq:
             # Not deleted: visible at once, its next receive moves it to the DLQ.
-            self.queues.change_visibility_many(to_dlq, 0)
+            steps.append(lambda: self.queues.change_visibility_many(to_dlq, 0))
         if to_retry:
-            self.queues.change_visibility_many(to_retry, _backoff_s(retry))
+            steps.append(lambda: self.queues.change_visibility_many(to_retry, _backoff_s(retry)))
         if plan.unwritten:
-            self._hand_back_unwritten(plan, written.errored)
+            steps.append(lambda: self._hand_back_unwritten(plan, written.errored))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
-            self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
+            steps.append(lambda: self.metrics.record_outcomes(
+                plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected))
+        errors = []
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - raised below, once every step was made
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _hand_back_unwritten(self, plan: OutcomePlan, errored: dict[str, Exception]) -> None:
         """Outcomes the table would not take (throttled past the SDK's retries,

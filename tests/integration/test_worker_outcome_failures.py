@@ -5,6 +5,7 @@ import json
 import logging
 import time
 
+import pytest
 from botocore.exceptions import ClientError
 from fastapi.testclient import TestClient
 
@@ -143,3 +144,22 @@ def test_a_task_past_its_deadline_expires_even_for_a_model_this_worker_does_not_
     assert prepared.jobs == [] and given == [] and prepared.ack == [message]
     record = TaskStore(settings).get(late)
     assert (record.status.value, record.error_code, record.attempts) == ("expired", "deadline_exceeded", 0)
+
+
+def test_a_failed_delete_leaves_the_rest_of_finish_made(api, settings, runner):
+    """finish's queue calls stand alone: a DeleteMessageBatch that fails (its
+    messages come back, and their next receive acknowledges them) does not
+    skip the failed attempt's backoff."""
+    ok = submit(api, "ok")
+    crashed = submit(api, "x !crash")
+
+    def delete_refused(messages):
+        raise ClientError({"Error": {"Code": "InternalError", "Message": "try again"}}, "DeleteMessageBatch")
+
+    runner.queues.delete_many = delete_refused
+    changes = spy_visibility(runner)
+    prepared = runner.prepare(receive_all(settings, 2))
+    with pytest.raises(ClientError, match="DeleteMessageBatch"):
+        runner.finish(prepared, runner.infer(prepared.jobs))
+    assert [(ids, timeout_s) for ids, timeout_s, _ in changes] == [([crashed], 2)]  # the first retry's backoff
+    assert TaskStore(settings).get(ok).status.value == "succeeded"
