@@ -141,8 +141,9 @@ class SubmitRequest(_Strict):
         strict=True,
         ge=1,
         le=MAX_DEADLINE_S,
-        description="Seconds from now after which the task is no longer worth running: a whole number "
-                    "written without a fraction or exponent (10, not 10.0 or 1e1).",
+        description="Seconds from now by which the task must finish: one that has not by then is expired, "
+                    "whether or not a worker had started it (a result that comes later is dropped). A whole "
+                    "number written without a fraction or exponent (10, not 10.0 or 1e1).",
     )
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
         default=None, max_length=MAX_METADATA_KEYS
@@ -185,7 +186,7 @@ class TaskError(BaseModel):
                                   "the input), input_unavailable (a claim-checked input cannot be read), result_not_stored "
                                   "(its large result could not be uploaded; retried), "
                                   "validation_error, dead_lettered (it kept failing its worker), deadline_exceeded "
-                                  "(expired before a worker ran it).")
+                                  "(it had not finished by its deadline).")
     message: str
 
 

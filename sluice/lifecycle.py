@@ -25,7 +25,8 @@ has replaced since (the messages went back first, or came twice) stands.
 
 Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
-dropped). Results go inline when small and through S3 when large, under a key
+dropped). One that comes after the task's deadline expires it instead, as the
+API's read of it would have meanwhile. Results go inline when small and through S3 when large, under a key
 of their own run's, so a run that loses the write never replaces the object
 the record names (record_outcomes deletes the loser's). A result that cannot
 be uploaded is its own task's failed attempt (`result_not_stored`), never the
@@ -320,15 +321,33 @@ class OutcomePlan:
     # Final at once (its inputs cannot be read, or the model refuses them): no
     # delivery could change it, so its message is deleted.
     unrunnable: list[Outcome] = field(default_factory=list)
+    # Came after the task's deadline: expired, the result or error dropped, the
+    # message deleted. The API's read of a task past its deadline expires it,
+    # running or not, so the outcome cannot depend on whether a client polled.
+    expired: list[Outcome] = field(default_factory=list)
     # Taken out of the lists above by record_outcomes: the table did not take
     # their write (throttled past the SDK's retries, a 5xx, no answer).
     unwritten: list[Outcome] = field(default_factory=list)
+
+    def counted(self) -> list[Outcome]:
+        """The outcomes the metrics count (the unwritten as handed back)."""
+        return self.succeeded + self.unrunnable + self.retry + self.failed + self.expired
+
+    def dropped(self, rejected: set[str]) -> set[str]:
+        """The tasks whose attempt neither succeeded nor failed them: final
+        already (`rejected` by the table), or past their deadline."""
+        return rejected | {o.job.message.task_id for o in self.expired}
 
 
 def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> OutcomePlan:
     plan = OutcomePlan(now, settings.max_attempts)
     for o in outcomes:
         task_id = o.job.message.task_id
+        deadline_at = o.job.message.deadline_at
+        if deadline_at is not None and deadline_at <= now:
+            plan.changes.append(expire(task_id, now, o.job.message.enqueued_at))
+            plan.expired.append(o)
+            continue
         if o.error is None:
             values: dict[str, Any] = {
                 "status": TaskStatus.succeeded.value,
@@ -430,7 +449,7 @@ def _delete_uploads(payloads: PayloadStore, uploads: list[Upload]) -> None:
 
 def _set_aside_unwritten(plan: OutcomePlan, errored: dict[str, Exception]) -> None:
     """A plan holds one outcome per task, so a task id names it."""
-    for name in ("succeeded", "retry", "failed", "unrunnable"):
+    for name in ("succeeded", "retry", "failed", "unrunnable", "expired"):
         outcomes = getattr(plan, name)
         plan.unwritten += [o for o in outcomes if o.job.message.task_id in errored]
         setattr(plan, name, [o for o in outcomes if o.job.message.task_id not in errored])

@@ -250,7 +250,8 @@ class Dispatcher:
         rejected = written.rejected
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
         # message of a task marked failed lands in the dead-letter queue.
-        # plan.unrunnable (inputs unreadable or refused by the model) is final at once: acknowledged.
+        # plan.unrunnable (inputs unreadable or refused by the model) and
+        # plan.expired (past the deadline) are final at once: acknowledged.
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
@@ -267,7 +268,7 @@ class Dispatcher:
             if self.metrics:
                 self.metrics.record_handed_back(len(plan.unwritten))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
-            self.metrics.record_outcomes(plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected)
+            self.metrics.record_outcomes(plan.counted(), now, plan.dropped(rejected))
 
     @staticmethod
     def _retry(retry: dict[str, str], job: Job, reason: str) -> None:

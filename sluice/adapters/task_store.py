@@ -400,11 +400,12 @@ DEADLINE_EXCEEDED = "deadline_exceeded"
 
 def expire(task_id: str, now: int, created_at: int | None = None) -> Change:
     """A task past its deadline without an outcome: the claim of a worker (or
-    the dispatcher) and the API's read of it write the same change.
+    the dispatcher), an outcome that came after the deadline and the API's
+    read of the task write the same change.
     `created_at`: only the record of the task created then (a message's)."""
     # The error says why the task has no result; a cancelled task needs none (the client did it).
     return Change(task_id, {"status": TaskStatus.expired.value, "finished_at": now, "error_code": DEADLINE_EXCEEDED,
-                            "error_message": "its deadline passed before a worker ran it"}, (TaskStatus.queued,),
+                            "error_message": "its deadline passed before it finished"}, (TaskStatus.queued,),
                   only_if={"created_at": created_at} if created_at is not None else {})
 
 

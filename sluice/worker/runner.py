@@ -201,7 +201,7 @@ class BatchRunner:
         # acknowledged whatever this attempt's outcome was.
         written = record_outcomes(self.store, self.payloads, plan, self.io)
         rejected = written.rejected
-        settled = plan.succeeded + plan.unrunnable + [
+        settled = plan.succeeded + plan.unrunnable + plan.expired + [
             o for o in plan.retry + plan.failed if o.job.message.task_id in rejected]
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
@@ -225,8 +225,7 @@ class BatchRunner:
         if plan.unwritten:
             steps.append(lambda: self._hand_back_unwritten(plan, written.errored))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
-            steps.append(lambda: self.metrics.record_outcomes(
-                plan.succeeded + plan.unrunnable + plan.retry + plan.failed, now, rejected))
+            steps.append(lambda: self.metrics.record_outcomes(plan.counted(), now, plan.dropped(rejected)))
         errors = []
         for step in steps:
             try:

@@ -17,6 +17,7 @@ from sluice.adapters.task_store import TaskStore
 from sluice.contract import RESULTS_PREFIX, Priority, now_ms
 from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.worker.runner import BatchRunner
+from tests.integration.test_worker_runner import messages_left
 from tests.reliability.harness import wait_until
 
 
@@ -129,3 +130,23 @@ def test_an_outcome_write_resent_after_it_landed_keeps_its_result(api, settings,
     assert record.status.value == "succeeded"
     assert PayloadStore(to_s3).get_json(record.result_key) == {"outputs": [{"length": 1, "sha256": "2d711642b726b044"}]}
     assert PriorityQueues(to_s3).receive(Priority.normal, 10, 0, 30) == []  # acknowledged, not retried
+
+
+def test_an_outcome_after_the_deadline_expires_its_task(api, settings):
+    # A read of a task past its deadline expires it, running or not: were the
+    # outcome written, a task's end would depend on whether its client polled.
+    to_s3 = settings.model_copy(update={"inline_result_max_bytes": 0})
+    runner = BatchRunner(to_s3, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"], "deadline_s": 1},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    prepared = runner.prepare(PriorityQueues(to_s3).receive(Priority.normal, 10, 1, 30))
+    (job,) = prepared.jobs  # claimed before its deadline
+    wait_until(lambda: now_ms() > job.message.deadline_at, 5, "the task's deadline to pass")
+    runner.finish(prepared, runner.infer(prepared.jobs))
+    record = TaskStore(to_s3).get(task_id)
+    assert (record.status.value, record.error_code, record.result_key) == ("expired", "deadline_exceeded", None)
+    listed = boto3.client("s3").list_objects_v2(Bucket=to_s3.bucket, Prefix=RESULTS_PREFIX)
+    assert listed.get("KeyCount") == 0  # no result was stored for it
+    assert messages_left(to_s3) == 0
+    view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()
+    assert view["error"] == {"code": "deadline_exceeded", "message": "its deadline passed before it finished"}
