@@ -517,13 +517,12 @@ class TaskService:
             # and the first task's may be gone while a later one's remains.
             tasks = [(batch_task_id(tenant_id, idempotency_key, i), f"{whole}#{i}") for i in range(len(batch.tasks))]
             self._refuse_reused_key(self._read_records([task_id for task_id, _ in tasks]), tasks)
-            return BatchAccepted(
-                tasks=[
-                    self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority],
-                                      key_checked=True)
-                    for request, (task_id, fingerprint) in zip(batch.tasks, tasks)
-                ]
-            )
+            accepted = [
+                self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority], key_checked=True)
+                for request, (task_id, fingerprint) in zip(batch.tasks, tasks)
+            ]
+            # Positions once every task is sent, as for a batch without a key.
+            return BatchAccepted(tasks=self._in_batch_order(accepted, depths))
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
         token = secrets.token_hex(8)
         uploaded: list[str | None] = []
@@ -547,39 +546,43 @@ class TaskService:
                 self.compensator.undo(kept, token)
             self._discard_inputs(uploaded)
             raise next(iter(errors.values()))
-        # Each behind the batch's earlier tasks of its priority (those of higher
-        # priorities are in the queue estimates already).
-        earlier: Counter[Priority] = Counter()
-        accepted = []
-        for r, _ in built:
-            accepted.append(self._accepted(r, depths[r.priority], earlier[r.priority]))
-            earlier[r.priority] += 1
-        return BatchAccepted(tasks=accepted)
+        return BatchAccepted(tasks=self._in_batch_order([self._accepted(r, depths[r.priority]) for r, _ in built],
+                                                        depths))
 
-    def _accepted(self, record: TaskRecord, depth: int, batch_ahead: int = 0) -> TaskAccepted:
-        """`depth`: the priority's depth before this submit sent anything;
-        `batch_ahead`: its batch's tasks of that priority sent before it."""
+    def _in_batch_order(self, accepted: list[TaskAccepted], depths: dict[Priority, int]) -> list[TaskAccepted]:
+        """Each task of a batch behind the batch's earlier tasks of its priority
+        (those of higher priorities are in the queue estimates already)."""
+        earlier: Counter[Priority] = Counter()
+        placed = []
+        for a in accepted:
+            position, wait = self._position(a.status, a.priority, depths[a.priority], earlier[a.priority])
+            placed.append(a.model_copy(update={"queue_position": position, "estimated_wait_s": wait}))
+            earlier[a.priority] += 1
+        return placed
+
+    def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
+        position, wait = self._position(record.status, record.priority, depth)
+        return TaskAccepted(task_id=record.task_id, status=record.status, priority=record.priority,
+                            queue_position=position, estimated_wait_s=wait)
+
+    def _position(self, status: TaskStatus, priority: Priority, depth: int,
+                  batch_ahead: int = 0) -> tuple[int, float | None]:
+        """(queue position, estimated wait). `depth`: the priority's depth before
+        this submit sent anything; `batch_ahead`: its batch's tasks of that
+        priority sent before it."""
         ahead = 0
-        if record.status == TaskStatus.queued:  # an idempotent retry may find it finished
+        if status == TaskStatus.queued:  # an idempotent retry may find it finished
             # `depth` is what the cap was held against; the position counts down
             # at the workers' pace since the queue was read, as the others do.
-            ahead = min(depth, self.backlog.estimate(record.priority)) + batch_ahead
-            if record.priority != Priority.high:
+            ahead = min(depth, self.backlog.estimate(priority)) + batch_ahead
+            if priority != Priority.high:
                 ahead += self.backlog.estimate(Priority.high)
-            if record.priority == Priority.low:
+            if priority == Priority.low:
                 ahead += self.backlog.estimate(Priority.normal)
         rate = self.backlog.drain_rate()
         if ahead == 0:
-            wait: float | None = 0.0
-        else:
-            wait = round(ahead / rate, 1) if rate else None  # no drain measured yet, or none now
-        return TaskAccepted(
-            task_id=record.task_id,
-            status=record.status,
-            priority=record.priority,
-            queue_position=ahead,
-            estimated_wait_s=wait,
-        )
+            return 0, 0.0
+        return ahead, (round(ahead / rate, 1) if rate else None)  # no drain measured yet, or none now
 
     # ---------------------------------------------------------- get/cancel
     def _owned(self, tenant_id: str, task_id: str, record: TaskRecord | None) -> TaskRecord:

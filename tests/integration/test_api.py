@@ -102,12 +102,15 @@ def test_submit_returns_202_with_position_and_records_one_task(api, settings):
     assert view["status"] == "queued" and view["model"] == "synthetic" and view["model_version"] == "1"
 
 
-def test_a_batchs_tasks_queue_one_behind_another(api):
+@pytest.mark.parametrize("key", [None, "batch-1"])
+def test_a_batchs_tasks_queue_one_behind_another(api, key):
     # On fresh queues: each task of a batch has the batch's earlier tasks of its
-    # priority ahead of it (and those of higher ones), not the same position for all.
+    # priority ahead of it (and those of higher ones), not the same position for
+    # all; with an Idempotency-Key (its tasks are sent one by one) as without.
     tasks = [{"model": "synthetic", "inputs": [f"t{i}"], "priority": p}
              for i, p in enumerate(["normal", "normal", "high", "normal", "high"])]
-    response = api.post("/v1/tasks/batch", json={"tasks": tasks}, headers={"x-api-key": api.key_a})
+    headers = {"x-api-key": api.key_a, **({"Idempotency-Key": key} if key else {})}
+    response = api.post("/v1/tasks/batch", json={"tasks": tasks}, headers=headers)
     assert response.status_code == 202, response.text
     positions = [t["queue_position"] for t in response.json()["tasks"]]
     # high: 0, 1; normal: both high tasks ahead, then the normal ones before it.
