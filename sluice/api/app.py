@@ -48,10 +48,17 @@ READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeou
 
 log = logging.getLogger("sluice.api")
 
+# What a 429 or 503 carries, so that generated clients expose it (a daily quota
+# spent on AWS answers 429 without one: it lasts until the plan's period ends).
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+
+
 def _errors(*statuses: int) -> dict:
     """The error answers a route can give, each an ErrorResponse: what the
     OpenAPI document lists per route (the contract test holds the app to it)."""
-    return {s: {"model": ErrorResponse} for s in statuses}
+    return {s: {"model": ErrorResponse, **({"headers": _RETRY_AFTER} if s in (429, 503) else {})}
+            for s in statuses}
 
 
 # Every route behind the key check: no key, a bad key, the rate limit, a table that does not answer.

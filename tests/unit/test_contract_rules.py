@@ -208,3 +208,21 @@ def test_the_api_parameters_are_the_contract_s_types():
     health = document["paths"]["/health"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert health == {"$ref": "#/components/schemas/Health"}
     assert document["components"]["schemas"]["Health"]["properties"]["status"]["const"] == "ok"
+
+
+def test_every_429_and_503_in_the_api_document_names_retry_after():
+    """The API sends it with each (rate limit, backlog, a dependency down):
+    a client generated from the document should see it."""
+    from fastapi.testclient import TestClient
+
+    from sluice.api.app import create_app
+    from sluice.settings import Settings
+
+    document = TestClient(create_app(Settings(models="synthetic"))).get("/openapi.json").json()
+    answers = [(path, verb, status, response) for path, verbs in document["paths"].items()
+               for verb, operation in verbs.items() for status, response in operation["responses"].items()
+               if status in ("429", "503") and path != "/ready"]  # a probe's 503: not ready, no retry asked
+    assert len(answers) >= 10
+    for path, verb, status, response in answers:
+        assert response.get("headers", {}).get("Retry-After", {}).get("schema", {}).get("type") == "string", \
+            (path, verb, status)
