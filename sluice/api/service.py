@@ -200,14 +200,14 @@ class TaskService:
             for s in self.models.values()
         ]
 
-    def _check_model(self, request: SubmitRequest, field: str = "model") -> None:
-        if request.model not in self.models:
-            raise ApiError(
-                422,
-                "validation_error",
-                f"unknown model {request.model!r}",
-                [ErrorDetail(field=field, rule=f"must be one of: {', '.join(sorted(self.models))}")],
-            )
+    def _check_models(self, requests: list[SubmitRequest], fields: list[str]) -> None:
+        """One 422 naming every task whose model is not served, as a schema error names every field."""
+        unknown = [(r.model, f) for r, f in zip(requests, fields) if r.model not in self.models]
+        if unknown:
+            names = ", ".join(dict.fromkeys(repr(model) for model, _ in unknown))
+            rule = f"must be one of: {', '.join(sorted(self.models))}"
+            raise ApiError(422, "validation_error", f"unknown model {names}",
+                           [ErrorDetail(field=field, rule=rule) for _, field in unknown])
 
     def _check_backlog(self, priority: Priority) -> int:
         depth = self.backlog.depth(priority)
@@ -279,7 +279,7 @@ class TaskService:
 
     def submit(self, tenant_id: str, request: SubmitRequest, idempotency_key: str | None) -> TaskAccepted:
         try:
-            self._check_model(request)
+            self._check_models([request], ["model"])
             depth = self._check_backlog(request.priority)
         except ApiError:
             if idempotency_key:
@@ -496,8 +496,7 @@ class TaskService:
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
         whole = request_hash(batch) if idempotency_key else None
         try:
-            for i, request in enumerate(batch.tasks):
-                self._check_model(request, field=f"tasks.{i}.model")
+            self._check_models(batch.tasks, [f"tasks.{i}.model" for i in range(len(batch.tasks))])
             depths = {p: self._check_backlog(p) for p in {r.priority for r in batch.tasks}}
         except ApiError:
             if idempotency_key:

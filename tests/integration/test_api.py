@@ -257,11 +257,16 @@ def test_batch_submit_records_every_task(api, settings):
     assert too_many.status_code == 422 and too_many.json()["error"]["details"][0]["field"] == "tasks"
 
 
-def test_batch_with_one_bad_model_records_nothing(api, settings):
-    tasks = [{"model": "synthetic", "inputs": ["ok"]}, {"model": "nope", "inputs": ["x"]}]
+def test_batch_with_bad_models_names_each_and_records_nothing(api, settings):
+    # Every task whose model is not served, in one answer, as a schema error names every field.
+    tasks = [{"model": "synthetic", "inputs": ["ok"]}, {"model": "nope", "inputs": ["x"]},
+             {"model": "synthetic", "inputs": ["ok"]}, {"model": "nope2", "inputs": ["x"]}]
     response = api.post("/v1/tasks/batch", json={"tasks": tasks}, headers={"x-api-key": api.key_a})
     assert response.status_code == 422
-    assert response.json()["error"]["details"][0]["field"] == "tasks.1.model"
+    error = response.json()["error"]
+    assert [d["field"] for d in error["details"]] == ["tasks.1.model", "tasks.3.model"]
+    assert error["message"] == "unknown model 'nope', 'nope2'"
+    assert all(d["rule"] == "must be one of: synthetic" for d in error["details"]), error
     assert nothing_recorded(settings)
 
 
