@@ -383,8 +383,9 @@ def cmd_dlq(args) -> int:
         if len(found) > args.limit:
             said += f", stopped at --limit {args.limit}"
         said += f"; {queues_named} {'holds' if args.priority else 'hold'} about {visible + hidden} messages"
-        if hidden:  # received by another reader: a worker's settling round shows them again within 30 s
-            said += f", {hidden} of them hidden by another reader (a worker's settling round): list again in 30 s"
+        if hidden:  # received by another reader: a worker's settling round (sluice.dlq)
+            said += (f", {hidden} of them hidden by another reader (a worker's settling round): list again in "
+                     "30 s, or up to 10 minutes for the dead letters of finished tasks in a long queue")
         print(said, file=sys.stderr)
         return 0
     if args.action == "settle":

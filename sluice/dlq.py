@@ -14,6 +14,11 @@ them in insertion order and LocalStack by creation time, and AWS samples, so
 the same ones would come back every round and a task behind them would never
 be reached. A round keeps what it leaves in place hidden until it ends, so each
 receive reaches the messages behind, and shows them again when it is done.
+A round that stopped before the end of its queue (at `scan` messages, or out
+of time) keeps those with nothing to settle (their task final, or gone)
+hidden for _PASSED_S more, so the next rounds start past them rather than at
+the same head: with a few hundred such dead letters ahead, a task behind them
+was never reached on moto or LocalStack, whose receives keep queue order.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ _ACTIVE = (TaskStatus.queued,)
 # would reappear on their own (and be received twice in one round).
 _HIDE_S = 30
 _SCAN = 1000  # messages a round looks at per priority, kept ones included
+# How long a round that stopped short hides the dead letters it found nothing
+# to settle for. About twenty rounds of a worker (every ~30 s) reach past them
+# before they show again, so settling reaches ~20 x _SCAN messages deep; `sluice
+# dlq list` counts them as hidden meanwhile, and the DLQ alarms count them all.
+_PASSED_S = 600
 _KNOWN_FINAL_MAX = 100_000  # task ids a settling process remembers as final
 
 
@@ -68,9 +78,14 @@ def _batches(messages: list[dict]):
 
 
 def _show_again(queues: PriorityQueues, url: str, messages: list[dict]) -> None:
+    _hide(queues, url, messages, 0)
+
+
+def _hide(queues: PriorityQueues, url: str, messages: list[dict], seconds: int) -> None:
     for chunk in _batches(messages):
         queues.sqs.change_message_visibility_batch(QueueUrl=url, Entries=[
-            {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": 0} for i, m in enumerate(chunk)])
+            {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": seconds}
+            for i, m in enumerate(chunk)])
 
 
 def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]) -> list[dict]:
@@ -195,7 +210,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
         dlq = queues.dlq_url(priority)
         seen: set[str] = set()
         keep: list[dict] = []
+        passed: list[dict] = []  # nothing to settle for their task: final, or gone
         settled = 0
+        reached_end = False
         stop_at = time.monotonic() + _HIDE_S / 2
         try:
             while len(seen) < scan and time.monotonic() < stop_at:
@@ -204,6 +221,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 new = [m for m in got if m["MessageId"] not in seen]
                 keep += [m for m in got if m["MessageId"] in seen]  # its hide ran out: show it again too
                 if not new:
+                    reached_end = True
                     break
                 seen.update(m["MessageId"] for m in new)
                 ids = {t for t in (_task_id(m["Body"]) for m in new) if t and t not in known_final}
@@ -213,7 +231,10 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     record = _record_of(records, m["Body"])
                     if record is not None and record.status.is_terminal:
                         known_final.add(record.task_id)
-                    if record is None or record.status.is_terminal or settled >= limit:
+                    if record is None or record.status.is_terminal:
+                        passed.append(m)
+                        continue
+                    if settled >= limit:
                         keep.append(m)
                         continue
                     settled += 1
@@ -225,9 +246,16 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 left = _move(queues, dlq, queues.url(priority), requeue)
                 keep += left
                 counts["requeued"] += len(requeue) - len(left)
-                if len(got) < want or settled >= limit:
-                    break  # the queue has nothing more to give, or the round has done its share
+                if len(got) < want:
+                    reached_end = True  # the queue has nothing more to give
+                    break
+                if settled >= limit:
+                    break  # the round has done its share
         finally:
+            if reached_end:
+                keep += passed
+            else:
+                _hide(queues, dlq, passed, _PASSED_S)
             _show_again(queues, dlq, keep)
     return counts
 

@@ -105,7 +105,8 @@ def test_listing_says_how_many_dead_letters_another_reader_holds_hidden(operator
     captured = capsys.readouterr()
     assert captured.out == "" and "empty" not in captured.err, captured.err
     assert captured.err.strip() == ("listed 0; the dead-letter queues hold about 1 messages, 1 of them hidden by "
-                                    "another reader (a worker's settling round): list again in 30 s")
+                                    "another reader (a worker's settling round): list again in 30 s, or up to "
+                                    "10 minutes for the dead letters of finished tasks in a long queue")
 
 
 def test_listing_says_when_it_stopped_at_the_limit(operator_env, capsys):
@@ -215,3 +216,24 @@ def test_the_workers_settling_goes_on_after_a_round_that_failed(settings, monkey
         done.set()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_settling_reaches_a_task_behind_more_finished_dead_letters_than_a_round_scans(settings):
+    # moto and LocalStack receive in queue order: a round that stops at its scan
+    # limit hides the dead letters of finished tasks it passed, so the next
+    # round starts past them instead of at the same head.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    for i in range(25):
+        dead_letter(queues, store, f"done-{i}", status=TaskStatus.failed, finished_at=1)
+    dead_letter(queues, store, "stuck", attempts=2)  # killed its worker each time
+    rounds = [settle_dead(queues, store, [Priority.normal], 3, scan=10) for _ in range(4)]
+    assert rounds == [{"failed": 0, "requeued": 0}] * 2 + [{"failed": 1, "requeued": 0}] + [{"failed": 0, "requeued": 0}]
+    assert store.get("stuck").status is TaskStatus.failed
+
+
+def test_a_round_that_reaches_the_end_of_its_queue_shows_every_dead_letter_again(settings):
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    for i in range(3):
+        dead_letter(queues, store, f"done-{i}", status=TaskStatus.failed, finished_at=1)
+    assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 0}
+    assert sorted(item["task_id"] for item in list_dead(queues, [Priority.normal])) == ["done-0", "done-1", "done-2"]
