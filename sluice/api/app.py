@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from sluice import __version__
 from sluice.adapters.api_keys import ApiKeys
@@ -169,6 +170,16 @@ class KeyRequired:
         return await self.app(scope, receive, send)
 
 
+def _allowed_methods(app: FastAPI, scope) -> set[str]:
+    """Every method some route serves on the request's path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "GET"}) if hasattr(route, "methods") else (Match.NONE, None)
+        if match != Match.NONE:
+            methods |= set(route.methods or ())
+    return methods
+
+
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
@@ -225,7 +236,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         # The framework's own errors (a body that is not UTF-8, an unknown
         # route, a wrong method) in the same error contract as ours.
         code = _HTTP_CODES.get(exc.status_code, "http_error")
@@ -238,7 +249,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             message = "the request body is not valid JSON"
             details = [ErrorDetail(field="body", rule=f"unparseable: {exc.detail}")]
         err = ApiError(exc.status_code, code, message, details)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # Starlette's Allow names the first route that matched the path
+            # only: GET /v1/tasks/{id} but not DELETE on the same path.
+            headers["Allow"] = ", ".join(sorted(_allowed_methods(app, request.scope)))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -462,3 +462,16 @@ def test_the_openapi_document_lists_each_routes_own_errors(api):
     assert errors("/v1/tasks", "post") == {400, 401, 403, 409, 413, 415, 422, 429, 503}
     assert errors("/v1/tasks/{task_id}", "get") == {401, 403, 404, 422, 429, 503}
     assert errors("/v1/tasks/{task_id}", "delete") == {401, 403, 404, 409, 422, 429, 503}
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("PUT", "/v1/tasks/t-1", "DELETE, GET"),
+    ("OPTIONS", "/v1/tasks/t-1", "DELETE, GET"),
+    ("GET", "/v1/tasks", "POST"),
+    ("PATCH", "/health", "GET"),
+])
+def test_a_method_not_served_is_a_405_naming_every_method_of_the_path(api, method, path, allowed):
+    response = api.request(method, path, headers={"x-api-key": api.key_a})
+    assert response.status_code == 405
+    assert response.headers["allow"] == allowed  # Starlette named only the first route's: GET
+    assert response.json()["error"]["code"] == "method_not_allowed"
