@@ -5,6 +5,15 @@ out by the priority policy until the batch holds `max_batch_size` inputs or
 `max_wait_ms` has passed since its first message. A task with more inputs than
 the batch has room left for does not end the batch: it keeps its turn and
 starts the next batch, while smaller tasks fill this one.
+
+A redelivered message (received before, no outcome written: a retry, or a
+task whose worker died, hung or stopped) runs in a batch of its own. The
+messages of a batch that killed or hung its worker come back together, at
+the same visibility lapse or hand-back, and would be batched together again:
+one input that takes its worker down would fail every task beside it, each
+attempt, until all were dead-lettered. Alone, only that task spends its
+attempts. Bisection (sluice.worker.runner) isolates a task whose model call
+raises; a process that dies cannot bisect.
 """
 
 from __future__ import annotations
@@ -16,6 +25,10 @@ from collections import deque
 from sluice.adapters.queues import Received
 from sluice.contract import Priority
 from sluice.worker.policy import WeightedPriorityPolicy
+
+
+def runs_alone(message: Received) -> bool:
+    return message.receive_count > 1
 
 
 def input_count(message: Received) -> int:
@@ -90,17 +103,20 @@ class PrefetchBuffer:
             if not self._cond.wait_for(lambda: self.closed or self._ready(), idle_wait_s) or self.closed:
                 return batch
             deadline = time.monotonic() + max_wait_s
+            alone = False
             if self._deferred is not None and self._queues[self._deferred]:
                 message, inputs = self._queues[self._deferred].popleft()  # it had its turn already
                 batch.append(message)
+                alone = runs_alone(message)
             self._deferred = None
             passed: set[Priority] = set()  # their head task does not fit in this batch
             while True:
-                full = inputs >= max_inputs
+                full = alone or inputs >= max_inputs
                 while not full and (ready := [p for p in self._ready() if p not in passed]):
                     priority = policy.pick(ready, cost=lambda p: self._queues[p][0][1])  # in inputs
                     message, n = self._queues[priority][0]
-                    if batch and inputs + n > max_inputs:
+                    alone = runs_alone(message)
+                    if batch and (alone or inputs + n > max_inputs):
                         # Ending the batch here would starve a big task (its
                         # turn spent, the batch cut short, again and again).
                         if self._deferred is None:
@@ -108,11 +124,12 @@ class PrefetchBuffer:
                         else:
                             policy.refund(priority, ready, n)
                         passed.add(priority)
+                        alone = False
                         continue
                     self._queues[priority].popleft()
                     batch.append(message)
                     inputs += n
-                    full = inputs >= max_inputs
+                    full = alone or inputs >= max_inputs
                 self._cond.notify_all()  # receivers may have room again
                 remaining = deadline - time.monotonic()
                 if full or remaining <= 0 or self.closed or len(passed) == len(Priority):

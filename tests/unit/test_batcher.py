@@ -9,10 +9,34 @@ from sluice.worker.policy import WeightedPriorityPolicy
 WEIGHTS = {Priority.high: 6, Priority.normal: 3, Priority.low: 1}
 
 
-def message(priority: Priority, inputs: int = 1, n: int = 0) -> Received:
+def message(priority: Priority, inputs: int = 1, n: int = 0, receive_count: int = 1) -> Received:
     body = TaskMessage(task_id=f"{priority.value}-{n}", tenant_id="t", model="m", priority=priority,
                        input_count=inputs, inputs=["x"] * inputs, enqueued_at=0).model_dump_json()
-    return Received(priority, f"id-{n}", f"rh-{priority.value}-{n}", body, 1, time.monotonic())
+    return Received(priority, f"id-{n}", f"rh-{priority.value}-{n}", body, receive_count, time.monotonic())
+
+
+def batches(buffer: PrefetchBuffer, max_inputs: int = 32) -> list[list[str]]:
+    """Every batch the buffer gives until it is empty, as task ids."""
+    taken = []
+    while batch := buffer.take_batch(WeightedPriorityPolicy(WEIGHTS), max_inputs, max_wait_s=0, idle_wait_s=0):
+        taken.append([m.task().task_id for m in batch])
+    return taken
+
+
+def test_redelivered_messages_run_each_in_a_batch_of_its_own():
+    # A batch whose worker died comes back together: batched together again,
+    # one input that kills its worker would take the others down each time.
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.normal, n=0), message(Priority.normal, n=1, receive_count=2),
+                message(Priority.normal, n=2, receive_count=2), message(Priority.normal, n=3),
+                message(Priority.normal, n=4)])
+    assert batches(buffer) == [["normal-0"], ["normal-1"], ["normal-2"], ["normal-3", "normal-4"]]
+
+
+def test_a_redelivery_at_the_head_of_one_priority_leaves_the_others_batched():
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.high, n=0, receive_count=3)] + [message(Priority.low, n=i) for i in range(1, 4)])
+    assert sorted(batches(buffer)) == [["high-0"], ["low-1", "low-2", "low-3"]]
 
 
 def test_full_batch_returns_without_waiting_for_the_timer():
