@@ -153,6 +153,38 @@ class BodyLimit:
         await response({"type": "http"}, None, send)
 
 
+class ContainUnexpected:
+    """A bug's exception ends here, not a client error. The client gets the
+    error contract (500), never a stack trace; the log gets where it happened
+    but not the exception's message, which may quote the request's payload.
+    An exception handler cannot do this: Starlette's ServerErrorMiddleware
+    re-raises after its handler answers, and the server (uvicorn's "Exception
+    in ASGI application", Mangum's "An error occurred running the
+    application") then logs the whole traceback, message and all."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:  # noqa: BLE001 - answered and logged here, never re-raised
+            where = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)[-5:]))
+            log.error("unhandled %s\n%s", type(exc).__name__, where)
+            if not started:  # else the response is cut short: the client sees the connection end
+                err = ApiError(500, "internal_error", "the request failed unexpectedly; it is safe to retry")
+                await JSONResponse(err.body(), status_code=500)(scope, receive, send)
+
+
 class KeyRequired:
     """A request to /v1/ without an x-api-key is refused (401) before its body is
     read: otherwise anyone could make the API buffer and parse a megabyte of JSON,
@@ -229,7 +261,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.auth_mode == "table":
-        app.add_middleware(KeyRequired)  # outermost: before the body is read
+        app.add_middleware(KeyRequired)  # before the body is read
+    app.add_middleware(ContainUnexpected)  # outermost of ours: around every other
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -279,16 +312,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.warning("dependency call failed: %s", type(exc).__name__)
         err = unavailable("a dependency")
         return JSONResponse(err.body(), status_code=503, headers=err.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        # A bug, not a client error. The client gets the error contract, never a
-        # stack trace; the log gets where it happened but not the exception's
-        # message, which may quote the request's payload.
-        where = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)[-5:]))
-        log.error("unhandled %s\n%s", type(exc).__name__, where)
-        err = ApiError(500, "internal_error", "the request failed unexpectedly; it is safe to retry")
-        return JSONResponse(err.body(), status_code=500)
 
     async def tenant(request: Request, x_api_key: Annotated[str | None, Security(API_KEY)] = None) -> str:
         if settings.auth_mode == "apigateway":

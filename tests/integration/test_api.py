@@ -1,10 +1,12 @@
 """The HTTP API against the emulator: auth, validation, idempotency, cancel."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 from botocore.client import BaseClient
 from botocore.exceptions import ClientError
+from fastapi.testclient import TestClient
 
 from sluice.adapters import task_store
 from sluice.adapters.api_keys import ApiKeys
@@ -475,3 +477,21 @@ def test_a_method_not_served_is_a_405_naming_every_method_of_the_path(api, metho
     assert response.status_code == 405
     assert response.headers["allow"] == allowed  # Starlette named only the first route's: GET
     assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_bug_answers_500_without_leaving_the_app(api, monkeypatch, caplog):
+    """As tests/unit/test_lambda_api.py checks through Mangum: the exception ends
+    in the app (the TestClient re-raises one that leaves it, as uvicorn logs it
+    then, message and all), and its message, which may quote the payload, is in no log."""
+    from sluice.api.service import TaskService
+
+    def submit(self, tenant_id, request, idempotency_key):
+        raise RuntimeError(f"could not handle {request.inputs[0]}")  # as a library error may quote its input
+
+    monkeypatch.setattr(TaskService, "submit", submit)
+    caplog.set_level(logging.DEBUG)
+    strict = TestClient(api.app)  # raises what leaves the app (the fixture's client answers it 500)
+    response = strict.post("/v1/tasks", json={"model": "synthetic", "inputs": ["SECRET-PAYLOAD"]},
+                           headers={"x-api-key": api.key_a})
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+    assert "unhandled RuntimeError" in caplog.text and "SECRET-PAYLOAD" not in caplog.text

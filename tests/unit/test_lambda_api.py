@@ -288,3 +288,28 @@ def test_the_app_s_log_lines_carry_the_lambda_context(handler, monkeypatch):
     assert logged["level"] == "WARNING" and logged["service"] == "sluice-api" and logged["name"] == "sluice.api"
     assert logged["correlation_id"] == event["requestContext"]["requestId"]
     assert logged["function_request_id"] == LambdaContext.aws_request_id
+
+
+SECRET = "SECRET-PAYLOAD jane.doe@example.com"
+
+
+def _a_bug(monkeypatch):
+    from sluice.api.service import TaskService
+
+    def submit(self, tenant_id, request, idempotency_key):
+        raise RuntimeError(f"could not handle {request.inputs[0]}")  # as a library error may quote its input
+
+    monkeypatch.setattr(TaskService, "submit", submit)
+
+
+def test_a_bug_answers_500_and_keeps_its_message_out_of_every_log(handler, monkeypatch, caplog):
+    # Starlette re-raises after its 500 handler, and Mangum then logged the
+    # whole traceback, message and payload included, to CloudWatch.
+    _a_bug(monkeypatch)
+    caplog.set_level(logging.DEBUG)
+    status, body = call(handler, proxy_event("POST", "/v1/tasks", key_id="kid-alpha",
+                                             body={"model": "synthetic", "inputs": [SECRET]}, resource="/v1/tasks"))
+    assert (status, body["error"]["code"]) == (500, "internal_error")
+    assert "unhandled RuntimeError" in caplog.text  # where it happened is logged
+    assert SECRET not in caplog.text
+
