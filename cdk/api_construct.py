@@ -46,7 +46,11 @@ _GatewayError = tuple[str | None, str, str | None, int | None]
 _UNAVAILABLE = unavailable("the API")  # what the app answers when a dependency fails
 _GATEWAY_ERRORS: dict[apigw.ResponseType, _GatewayError] = {
     apigw.ResponseType.BAD_REQUEST_PARAMETERS: ("422", "validation_error", None, None),
-    apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("403", "forbidden", None, None),
+    # No IAM auth is in use, so this is API Gateway's answer for a method or
+    # path it does not serve: the app's 404 rather than "forbidden", which a
+    # client would take for a bad key (README: treat 401 and 403 alike).
+    apigw.ResponseType.MISSING_AUTHENTICATION_TOKEN: ("404", "not_found", "no such route: check the method and the path",
+                                                      None),
     apigw.ResponseType.INVALID_API_KEY: ("403", "forbidden", None, None),
     apigw.ResponseType.ACCESS_DENIED: ("403", "forbidden", None, None),
     # A usage plan's rate refills its bucket every second. An exhausted quota
@@ -54,7 +58,10 @@ _GATEWAY_ERRORS: dict[apigw.ResponseType, _GatewayError] = {
     apigw.ResponseType.THROTTLED: ("429", "rate_limited", None, 1),
     apigw.ResponseType.QUOTA_EXCEEDED: ("429", "quota_exceeded", None, None),
     apigw.ResponseType.REQUEST_TOO_LARGE: ("413", "payload_too_large", None, None),
-    apigw.ResponseType.WAF_FILTERED: ("403", "forbidden", None, None),
+    # The managed known-bad-inputs rules (a Log4j lookup in a body, say): a
+    # code of its own, so that a refused input does not read as a bad key.
+    apigw.ResponseType.WAF_FILTERED: ("403", "request_blocked", "the request matched a rule of the API's web ACL",
+                                      None),
     # The function did not answer within the integration's 29 s, or Lambda
     # refused the invoke (throttled; an event over its 6 MB) or the function
     # failed (a crash, its own timeout): the app's answer when a dependency

@@ -194,3 +194,14 @@ def test_the_waf_rate_cap_answers_the_apps_429_not_a_403(synth, backend):
     assert {h["Name"]: h["Value"] for h in block["ResponseHeaders"]}["Retry-After"].isdigit()
     body = json.loads(props["CustomResponseBodies"][block["CustomResponseBodyKey"]]["Content"])
     assert body["error"]["code"] == "rate_limited" and body["error"]["details"] == []
+
+
+def test_an_unknown_route_is_the_apps_404_and_a_waf_refusal_is_no_bad_key(synth, backend):
+    # MISSING_AUTHENTICATION_TOKEN is how a REST API without IAM auth answers a
+    # method or path it does not serve; WAF_FILTERED, a managed rule's block.
+    # Neither may read as "forbidden", which clients take for a bad key.
+    responses = gateway_responses(synth.raw[backend])
+    unknown = responses["MISSING_AUTHENTICATION_TOKEN"]
+    assert unknown["StatusCode"] == "404" and rendered(unknown)["error"]["code"] == "not_found"
+    blocked = responses["WAF_FILTERED"]
+    assert blocked["StatusCode"] == "403" and rendered(blocked)["error"]["code"] == "request_blocked"
