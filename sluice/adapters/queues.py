@@ -10,7 +10,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 
 from sluice.aws import client
 from sluice.contract import Priority, TaskMessage
@@ -111,9 +117,10 @@ class PriorityQueues:
                     # This chunk is failed (perhaps sent: its records are rolled
                     # back, and a worker drops a message whose record is gone);
                     # the other chunks are still tried, unless SQS cannot be
-                    # reached at all.
+                    # reached or does not answer: each would wait out the SDK's
+                    # tries again (12 s), and the group's submits behind them.
                     failed += [m.task_id for m in chunk]
-                    unreachable = isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+                    unreachable = isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError))
         if failed:
             raise SendFailed(failed)
 

@@ -7,9 +7,10 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
+from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 
 from sluice.adapters.payload_store import PayloadStore
-from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.queues import PriorityQueues, SendFailed
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, redrive, settle_dead
@@ -235,3 +236,20 @@ def test_a_public_endpoint_changes_only_the_presigned_urls(settings, moto_endpoi
     assert url.startswith(f"http://localhost:{port}/{settings.bucket}/")
     with urllib.request.urlopen(url, timeout=5) as response:
         assert json.loads(response.read()) == {"ok": 1}
+
+
+@pytest.mark.parametrize("silence", [ReadTimeoutError, EndpointConnectionError, ConnectTimeoutError])
+def test_a_send_that_sqs_does_not_answer_fails_the_rest_at_once(settings, monkeypatch, silence):
+    # Each chunk's call waits out the SDK's tries (3 x 4 s) when SQS does not
+    # answer; a group commit's 25 submits made three such calls in a row.
+    queues = PriorityQueues(settings)
+    calls = []
+
+    def no_answer(**kwargs):
+        calls.append(len(kwargs["Entries"]))
+        raise silence(endpoint_url="http://sqs")
+
+    monkeypatch.setattr(queues.sqs, "send_message_batch", no_answer)
+    with pytest.raises(SendFailed) as failed:
+        queues.send_many([message(f"s{i}") for i in range(25)])
+    assert calls == [10] and len(failed.value.failed_ids) == 25
