@@ -9,8 +9,10 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Annotated
 
+import anyio.to_thread
 from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
@@ -46,6 +48,11 @@ from sluice.contract import (
 from sluice.settings import Settings
 
 READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeout
+# Submits wait in their threads while a group commit writes, for as long as the
+# table or the queue takes to answer (12 s at worst). From AnyIO's default
+# pool (40) they could take every thread while a dependency stalls, and reads
+# and cancels would queue behind them: submits get threads of their own.
+SUBMIT_THREADS = 32
 
 log = logging.getLogger("sluice.api")
 
@@ -382,16 +389,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def list_models(_: Tenant) -> ModelList:
         return ModelList(models=service.list_models())
 
+    submit_threads = anyio.CapacityLimiter(SUBMIT_THREADS)
+
     @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, tags=["tasks"], responses=_SUBMIT_ERRORS)
     async def submit(body: SubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None) -> TaskAccepted:
-        return await run_in_threadpool(service.submit, tenant_id, body, idempotency_key)
+        return await anyio.to_thread.run_sync(partial(service.submit, tenant_id, body, idempotency_key),
+                                              limiter=submit_threads)
 
     @app.post("/v1/tasks/batch", status_code=202, response_model=BatchAccepted, tags=["tasks"],
               responses=_SUBMIT_ERRORS)
     async def submit_batch(
         body: BatchSubmitRequest, tenant_id: Tenant, idempotency_key: IdempotencyKeyHeader = None
     ) -> BatchAccepted:
-        return await run_in_threadpool(service.submit_batch, tenant_id, body, idempotency_key)
+        return await anyio.to_thread.run_sync(partial(service.submit_batch, tenant_id, body, idempotency_key),
+                                              limiter=submit_threads)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"], responses=_errors(*_AUTHED, 404, 422))
     async def get_task(task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:

@@ -1,16 +1,15 @@
-"""The probes keep their budgets while submits hold every request thread."""
+"""The probes and reads keep their budgets while submits hold every thread they may take."""
 
 import asyncio
 import threading
 from contextlib import asynccontextmanager
 
-import anyio.to_thread
 import httpx
 import pytest
 
 from sluice.adapters.api_keys import ApiKeys
 from sluice.adapters.task_store import TaskStore
-from sluice.api.app import READY_BUDGET_S, create_app
+from sluice.api.app import READY_BUDGET_S, SUBMIT_THREADS, create_app
 from sluice.api.service import TaskService
 
 LIVENESS_BUDGET_S = 1.0  # a kubelet's default probe timeout
@@ -23,7 +22,7 @@ async def submits_holding_every_request_thread(settings, monkeypatch):
     # A cached key is checked on the event loop: the submits hold their threads only in the write.
     settings = settings.model_copy(update={"key_cache_s": 60})
     key = ApiKeys(settings).create("tenant-a")[0]
-    threads = anyio.to_thread.current_default_thread_limiter().total_tokens
+    threads = SUBMIT_THREADS
     table_answers, every_thread_held = threading.Event(), threading.Event()
     in_submit, lock = [0], threading.Lock()
     real_create_many, real_submit = TaskStore.create_many, TaskService.submit
@@ -80,5 +79,19 @@ def test_ready_keeps_its_budget_while_submits_wait_on_the_table(settings, monkey
             # The probes' own calls are not the ones held up: it is ready.
             ready = await answered_within(http.get("/ready"), READY_BUDGET_S)
             assert ready.status_code == 200, ready.text
+
+    asyncio.run(main())
+
+
+def test_a_read_answers_at_once_while_submits_wait_on_the_table(settings, monkeypatch):
+    # From one pool, submits waiting on a stalled dependency held every thread
+    # (AnyIO's 40), and a GET or DELETE waited behind them.
+    async def main():
+        async with submits_holding_every_request_thread(settings, monkeypatch) as http:
+            keys = ApiKeys(settings)
+            key = keys.create("tenant-b")[0]
+            missing = await answered_within(http.get("/v1/tasks/no-such-task", headers={"x-api-key": key}),
+                                            LIVENESS_BUDGET_S)
+            assert missing.status_code == 404, missing.text
 
     asyncio.run(main())
