@@ -391,6 +391,11 @@ class TaskService:
         except (BotoCoreError, ClientError):
             self.compensator.undo([message.task_id], token)
             raise unavailable("the queue") from None
+        except BaseException:
+            # Not an AWS error (a defect): whether it went out is unknown just
+            # the same, so the record is rolled back, as _write_fresh does.
+            self.compensator.undo([message.task_id], token)
+            raise
         self.backlog.sent(message.priority, 1)
 
     def _replay(

@@ -197,6 +197,19 @@ def test_an_unexpected_error_from_send_many_rolls_the_records_back(service, sett
     assert records(settings) == 0 and inputs_objects(settings) == []
 
 
+def test_an_unexpected_error_from_a_keyed_send_rolls_its_record_back(service, settings):
+    # A keyed submit sends its message alone, not through send_many.
+    def defect(message):
+        raise RuntimeError("a defect, not the network")
+
+    service.queues.send = defect
+    with pytest.raises(RuntimeError):
+        service.submit("t", SubmitRequest(**SMALL), "key-1")
+    with pytest.raises(RuntimeError):
+        service.submit_batch("t", BatchSubmitRequest(tasks=[SubmitRequest(**SMALL)]), "key-2")
+    assert records(settings) == 0
+
+
 def test_the_409_names_the_idempotency_key_header_as_the_422_does(api):
     too_long = api.post("/v1/tasks", json=SMALL, headers={"x-api-key": api.key_a, "Idempotency-Key": "k" * 200})
     assert too_long.status_code == 422
