@@ -54,6 +54,9 @@ class QueueBacklog:
         self._rate_base: dict[Priority, tuple[float, int, int]] = {}  # read at, depth then, sent since
         self._rate: dict[Priority, float] = {}  # tasks/s taken off the queue, smoothed
         self._renewing: set[Priority] = set()
+        self._sent_total: dict[Priority, int] = {}  # ever, so a reading can tell what was sent while it ran
+        self._reads_started = 0  # orders readings by when they started, whenever they land
+        self._seen_started: dict[Priority, int] = {}  # the held reading's place in that order
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-backlog")
 
@@ -85,6 +88,7 @@ class QueueBacklog:
 
     def sent(self, priority: Priority, n: int) -> None:
         with self._lock:
+            self._sent_total[priority] = self._sent_total.get(priority, 0) + n
             # Before the first reading there is nothing to add to: it will count them.
             for readings in (self._seen, self._rate_base):
                 if priority in readings:
@@ -121,16 +125,28 @@ class QueueBacklog:
                 self._renewing.discard(priority)
 
     def _read_now(self, priority: Priority) -> int:
-        read_at = self._clock()
+        with self._lock:
+            read_at, sent_before = self._clock(), self._sent_total.get(priority, 0)
+            self._reads_started += 1
+            started = self._reads_started
         depth = self._read(priority)
         with self._lock:
-            self._seen[priority] = (read_at, depth, 0)
+            # What was sent while the read ran may be missing from its count:
+            # counted on top, the cap is held against too much, never too little.
+            during = self._sent_total.get(priority, 0) - sent_before
+            held = self._seen.get(priority)
+            if held is not None and self._seen_started[priority] > started:
+                # A later reading landed first (an inline one near the cap, while
+                # this renewal's answer was slow): this one would put back an
+                # older depth and drop what was sent since.
+                return held[1] + held[2]
+            self._seen[priority], self._seen_started[priority] = (read_at, depth, during), started
             base = self._rate_base.get(priority)
             if base is None or read_at - base[0] >= _RATE_WINDOW_S:
-                self._rate_base[priority] = (read_at, depth, 0)
+                self._rate_base[priority] = (read_at, depth, during)
             if base and read_at - base[0] >= _RATE_WINDOW_S and base[1] > 0 and depth > 0:
                 then, depth_then, sent = base
                 taken = max(0, depth_then + sent - depth) / (read_at - then)
                 old = self._rate.get(priority)
                 self._rate[priority] = taken if old is None else (old + taken) / 2
-        return depth
+        return depth + during

@@ -216,3 +216,44 @@ def test_a_queue_position_counts_down_at_the_measured_pace_since_its_reading():
     clock.now += 0.4
     read.depth = 999  # no new reading under 1 s: the estimate alone answers
     assert backlog.estimate(Priority.normal) == 43
+
+
+def test_a_renewal_that_lands_after_a_later_reading_leaves_the_later_one():
+    # A background renewal's answer came late, after inline readings near the
+    # cap: it put back an older depth and dropped the sends counted since, and
+    # submits went on past the cap (189 for a cap of 100).
+    queue = {"n": 0}
+    clock = Clock()
+    renewal_asked, renewal_answers = threading.Event(), threading.Event()
+
+    def read(_priority):
+        counted = queue["n"]
+        if threading.current_thread().name.startswith("sluice-backlog"):
+            renewal_asked.set()
+            assert renewal_answers.wait(5)
+        return counted
+
+    backlog = QueueBacklog(read, cap=100, max_age_s=1.0, clock=clock)
+
+    def submit() -> bool:  # what TaskService.submit does with the backlog
+        if backlog.depth(Priority.normal) >= 100:
+            return False
+        queue["n"] += 1
+        backlog.sent(Priority.normal, 1)
+        return True
+
+    assert submit()
+    clock.now += 1.5  # old: the next submit renews it in the background
+    assert submit()
+    assert renewal_asked.wait(5)
+    sum(submit() for _ in range(200))
+    assert queue["n"] == 100
+    renewal_answers.set()  # its count of 1 lands
+    backlog._pool.submit(lambda: None).result(5)
+    assert sum(submit() for _ in range(200)) == 0
+    assert queue["n"] == 100
+
+
+def test_what_is_sent_while_a_depth_is_read_counts_on_top_of_it():
+    backlog = QueueBacklog(lambda _p: (backlog.sent(Priority.normal, 3), 10)[1], cap=1000, max_age_s=60)
+    assert backlog.depth(Priority.normal) == 13
