@@ -213,9 +213,9 @@ def _allowed_methods(app: FastAPI, scope) -> set[str]:
     """Every method some route serves on the request's path."""
     methods: set[str] = set()
     for route in app.router.routes:
-        match, _ = route.matches({**scope, "method": "GET"}) if hasattr(route, "methods") else (Match.NONE, None)
-        if match != Match.NONE:
-            methods |= set(route.methods or ())
+        # PARTIAL: the path matches and the method does not.
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
     return methods
 
 
