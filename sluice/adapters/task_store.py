@@ -387,9 +387,9 @@ class TaskStore:
             item = self.ddb.get_item(TableName=self.table, Key=_key(change.task_id), ConsistentRead=True).get("Item")
         if not item:
             return False
-        written = change.written(self.result_ttl_s)
-        return all(attr in item and _plain(item[attr]) == _plain(_ser.serialize(value)) for attr, value in written.items()) \
-            and not any(attr in item for attr in change.remove)
+        written = change.written(self.result_ttl_s).items()
+        holds = all(attr in item and _plain(item[attr]) == _plain(_ser.serialize(value)) for attr, value in written)
+        return holds and not any(attr in item for attr in change.remove)
 
 
 _REJECTED = object()  # _apply_one's answer for a change whose condition failed
