@@ -210,7 +210,7 @@ def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batche
     # A limit far off, so that every claim lands before it however busy the
     # machine; once they have, the test ages the stuck batch past it.
     settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "inference_timeout_s": 60})
-    texts = [f"t{i}" for i in range(6)]
+    texts = [f"t{i}" for i in range(3)]
     ids = dict(zip(texts, submit(settings, *texts)))
     hand_back(PriorityQueues(settings), receive(settings, list(ids.values())), 0)  # each delivery a redelivery
     model = RecordingGatedModel()
@@ -219,7 +219,8 @@ def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batche
     worker.exit = exited.append  # stands in for os._exit
     store = TaskStore(settings)
     with held_in_inference(worker, model):
-        # Every task claimed: two batches of two prepared behind the one held in the model.
+        # Every task claimed: two batches prepared behind the one held in the
+        # model, each of one task (a redelivery runs alone: sluice.worker.batcher).
         wait_for(lambda: {r.attempts for r in store.get_many(ids.values()).values()} == {1}, 15,
                  "two batches prepared behind the stuck one")
         worker.pipeline.inferring_since -= settings.inference_timeout_s  # in inference past the limit
@@ -227,7 +228,7 @@ def test_a_worker_giving_up_on_a_stuck_batch_takes_back_the_starts_of_the_batche
         assert exited == [70]
         records = store.get_many(ids.values())  # while the model still holds its batch
         stuck = {ids[text] for text in model.batches[0]}
-        assert len(stuck) == 2
+        assert len(stuck) == 1
         # The stuck batch ran: its starts stand, so a task that hangs every worker reaches its limit.
         assert {t: records[t].attempts for t in ids.values()} == {t: int(t in stuck) for t in ids.values()}
         # It stopped receiving before its hand-back: every message is visible
