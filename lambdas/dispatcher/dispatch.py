@@ -172,11 +172,19 @@ class Dispatcher:
         return outcomes, turned_away
 
     def _calls(self, model: str, jobs: list[Job]) -> list[tuple[str, list[Job]]]:
-        """Split one model's jobs into as few invocations as the limits allow, in order."""
+        """Split one model's jobs into as few invocations as the limits allow, in
+        order. A redelivery (an earlier receive left no outcome: a retry, or a
+        call that killed or hung the container) goes in a call of its own, as
+        on the EKS worker (sluice.worker.batcher): the records of a failed call
+        come back together, and one input that takes the container down would
+        fail every task beside it, each attempt, until all were dead-lettered."""
         calls: list[tuple[str, list[Job]]] = []
         current: list[Job] = []
         inputs = size = 0
         for job in jobs:
+            if job.attempts > 1:
+                calls.append((model, [job]))
+                continue
             # Bytes, as the body is sent (UTF-8) and SageMaker and serve.py count it.
             job_size = len(_task(job).model_dump_json().encode()) + 1
             job_inputs = len(job.inputs)

@@ -419,9 +419,10 @@ def test_an_endpoint_that_turns_calls_away_spends_no_attempt(dispatch, settings,
     response = dispatch(event)
     assert failed_ids(response) == {r["messageId"] for r in event["Records"]}
     assert_untouched(settings, ids)
-    # One call, asked once: SQS redelivery is the retry, and a second try of a
-    # slow call would outlast the function's timeout.
-    assert SageMakerRuntime.posts == ["/endpoints/an-endpoint-that-is-down/invocations"]
+    # One call per task (redeliveries go alone), each asked once: SQS
+    # redelivery is the retry, and a second try of a slow call would outlast
+    # the function's timeout.
+    assert SageMakerRuntime.posts == ["/endpoints/an-endpoint-that-is-down/invocations"] * 2
     # Seen on the dashboard as handed back, not as outcomes.
     assert counted(capsys, "TasksHandedBack", "TasksSucceeded", "TaskAttemptsFailed") == {
         "TasksHandedBack": 2, "TasksSucceeded": 0, "TaskAttemptsFailed": 0}
@@ -477,7 +478,7 @@ def test_an_endpoint_whose_model_is_broken_spends_no_attempt(dispatch, settings,
     event = sqs_event(settings, 2, receive_count=3)
     SageMakerRuntime.calls.clear()
     assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
-    assert len(SageMakerRuntime.calls) == 1  # the container saw the call, and refused it
+    assert len(SageMakerRuntime.calls) == 2  # the container saw the calls (one per redelivery), and refused them
     assert_untouched(settings, ids)
 
 
@@ -508,7 +509,7 @@ def test_an_outcome_the_table_will_not_take_sends_back_its_own_task_alone(dispat
     message_of = {json.loads(r["body"])["task_id"]: r["messageId"] for r in event["Records"]}
     SageMakerRuntime.calls.clear()
     assert failed_ids(dispatch(event)) == {message_of[unserved], message_of[unwritten]}
-    assert sorted(call["model"] for call in SageMakerRuntime.calls) == ["minilm-embed", "synthetic"]
+    assert sorted(call["model"] for call in SageMakerRuntime.calls) == ["minilm-embed", "synthetic", "synthetic"]
     records = TaskStore(settings).get_many([unserved, ran, unwritten])
     for task_id in (unserved, unwritten):
         record = records[task_id]
@@ -680,3 +681,16 @@ def test_the_dispatchers_throughput_counts_its_parallel_calls_span_not_their_sum
     [throughput] = [v for doc in emitted if "Throughput" in doc for v in
                     (doc["Throughput"] if isinstance(doc["Throughput"], list) else [doc["Throughput"]])]
     assert 2 < throughput <= 4.1, throughput  # the 4 s summed would be 1
+
+
+def test_a_redelivered_task_goes_to_the_endpoint_in_a_call_of_its_own(dispatch, settings):
+    # A call that killed or hung the container fails every task in it, and the
+    # records come back together: sent together again, one input that takes
+    # the container down would fail the tasks beside it until all were dead-lettered.
+    submit(settings, *({"model": "synthetic", "inputs": [f"r{i}"]} for i in range(3)))
+    event = sqs_event(settings, 3, receive_count=2)
+    submit(settings, *({"model": "synthetic", "inputs": [f"f{i}"]} for i in range(2)))
+    event["Records"] += sqs_event(settings, 2)["Records"]
+    SageMakerRuntime.calls.clear()
+    assert dispatch(event) == {"batchItemFailures": []}
+    assert sorted(len(call["tasks"]) for call in SageMakerRuntime.calls) == [1, 1, 1, 2]
