@@ -367,7 +367,10 @@ class TaskStore:
                                         ReturnValuesOnConditionCheckFailure="ALL_OLD")
         except ClientError as err:
             if _code(err) == "ConditionalCheckFailedException":
-                return {} if self._landed(change, err) else _REJECTED
+                try:
+                    return {} if self._landed(change, err) else _REJECTED
+                except Exception as exc:  # noqa: BLE001 - the read that would tell failed: its fate is unknown
+                    return exc
             return err
         except Exception as exc:  # noqa: BLE001 - no answer (a timeout, a reset): this change's fate alone
             return exc

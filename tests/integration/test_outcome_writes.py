@@ -13,8 +13,8 @@ from models.synthetic import SyntheticModel
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
-from sluice.adapters.task_store import TaskStore
-from sluice.contract import RESULTS_PREFIX, Priority, now_ms
+from sluice.adapters.task_store import Change, TaskStore
+from sluice.contract import RESULTS_PREFIX, Priority, TaskRecord, TaskStatus, now_ms
 from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.worker.runner import BatchRunner
 from tests.integration.test_worker_runner import messages_left
@@ -150,3 +150,30 @@ def test_an_outcome_after_the_deadline_expires_its_task(api, settings):
     assert messages_left(to_s3) == 0
     view = api.get(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).json()
     assert view["error"] == {"code": "deadline_exceeded", "message": "its deadline passed before it finished"}
+
+
+def test_a_refused_write_whose_landing_cannot_be_read_is_its_own_changes_error(settings):
+    # Where a refusal carries no old item (dynalite), the record is read to tell
+    # a resend from another run's win; that read failing must stay this
+    # change's error: apply_each promises every other change its own call.
+    store = TaskStore(settings)
+    for task_id in ("refused", "fine"):
+        store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
+                                status=TaskStatus.queued, input_count=1, created_at=0))
+    update_item = store.ddb.update_item
+
+    def refused_without_the_old_item(**request):
+        if request["Key"]["task_id"]["S"] == "refused":
+            raise ClientError({"Error": {"Code": "ConditionalCheckFailedException", "Message": "no"}}, "UpdateItem")
+        return update_item(**request)
+
+    def unreadable(**_):
+        raise ClientError({"Error": {"Code": "InternalServerError", "Message": "down"}}, "GetItem")
+
+    store.ddb.update_item, store.ddb.get_item = refused_without_the_old_item, unreadable
+    finished = {"status": TaskStatus.failed.value, "finished_at": now_ms(), "error_code": "model_error",
+                "error_message": "boom"}
+    applied = store.apply_each([Change(t, finished, (TaskStatus.queued,)) for t in ("refused", "fine")])
+    assert set(applied.errored) == {"refused"} and not applied.rejected
+    del store.ddb.get_item  # the client's own again
+    assert store.get("fine").status is TaskStatus.failed
