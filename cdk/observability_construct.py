@@ -273,7 +273,7 @@ class Observability(Construct):
         outcomes = [
             workers("TasksSucceeded", "Sum", "succeeded"),
             workers("TaskAttemptsFailed", "Sum", "failed attempts"),
-            workers("TaskAttemptsDropped", "Sum", "dropped (task final already)"),
+            workers("TaskAttemptsDropped", "Sum", "dropped (task final already, or past its deadline)"),
             workers("TasksHandedBack", "Sum", "handed back unrun"),
         ]
         # Every batch's size summed over all workers, per second: an Average of

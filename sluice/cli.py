@@ -385,7 +385,8 @@ def cmd_dlq(args) -> int:
         said += f"; {queues_named} {'holds' if args.priority else 'hold'} about {visible + hidden} messages"
         if hidden:  # received by another reader: a worker's settling round (sluice.dlq)
             said += (f", {hidden} of them hidden by another reader (a worker's settling round): list again in "
-                     "30 s, or up to 10 minutes for the dead letters of finished tasks in a long queue")
+                     "30 s; in a queue longer than a round reads (1000), settling keeps the dead letters of "
+                     "finished tasks hidden in turns of 10 minutes")
         print(said, file=sys.stderr)
         return 0
     if args.action == "settle":

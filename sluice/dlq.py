@@ -212,7 +212,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
         keep: list[dict] = []
         passed: list[dict] = []  # nothing to settle for their task: final, or gone
         settled = 0
-        reached_end = False
+        reached_end = False  # or stopped at `limit`: not at `scan` or out of time
         stop_at = time.monotonic() + _HIDE_S / 2
         try:
             while len(seen) < scan and time.monotonic() < stop_at:
@@ -250,7 +250,10 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     reached_end = True  # the queue has nothing more to give
                     break
                 if settled >= limit:
-                    break  # the round has done its share
+                    # The round has done its share: what lies behind is not
+                    # out of reach, so the next round may start at the head.
+                    reached_end = True
+                    break
         finally:
             if reached_end:
                 keep += passed

@@ -66,7 +66,7 @@ METRICS = (
     "Throughput",  # inputs per second of inference: a worker's speed, idle time left out
     "TasksSucceeded",
     "TaskAttemptsFailed",
-    "TaskAttemptsDropped",  # outcomes not written: the task was final already (cancelled, or another run won)
+    "TaskAttemptsDropped",  # outcomes not written: the task was final already (cancelled, another run won) or past its deadline
     # Given back unrun, a receive spent and no attempt: a model this worker does
     # not serve (yet), a call the SageMaker endpoint turned away.
     "TasksHandedBack",

@@ -105,8 +105,9 @@ def test_listing_says_how_many_dead_letters_another_reader_holds_hidden(operator
     captured = capsys.readouterr()
     assert captured.out == "" and "empty" not in captured.err, captured.err
     assert captured.err.strip() == ("listed 0; the dead-letter queues hold about 1 messages, 1 of them hidden by "
-                                    "another reader (a worker's settling round): list again in 30 s, or up to "
-                                    "10 minutes for the dead letters of finished tasks in a long queue")
+                                    "another reader (a worker's settling round): list again in 30 s; in a queue "
+                                    "longer than a round reads (1000), settling keeps the dead letters of finished "
+                                    "tasks hidden in turns of 10 minutes")
 
 
 def test_listing_says_when_it_stopped_at_the_limit(operator_env, capsys):
@@ -237,3 +238,16 @@ def test_a_round_that_reaches_the_end_of_its_queue_shows_every_dead_letter_again
         dead_letter(queues, store, f"done-{i}", status=TaskStatus.failed, finished_at=1)
     assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 0}
     assert sorted(item["task_id"] for item in list_dead(queues, [Priority.normal])) == ["done-0", "done-1", "done-2"]
+
+
+def test_a_round_that_stops_at_its_limit_shows_every_dead_letter_it_kept_again(settings):
+    # Only a round cut short of its queue (at `scan`, or out of time) hides what
+    # it passed: `sluice dlq settle --limit 1` on a short queue is not one.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    for name in ("done-0", "done-1", "stuck-0", "stuck-1", "done-2", "done-3"):
+        recorded = {"attempts": 2} if name.startswith("stuck") else {"status": TaskStatus.failed, "finished_at": 1}
+        dead_letter(queues, store, name, **recorded)
+    # Its first receive fills its scan (4), and it settles its one task in it.
+    assert settle_dead(queues, store, [Priority.normal], 3, limit=1, scan=4) == {"failed": 1, "requeued": 0}
+    listed = {item["task_id"] for item in list_dead(queues, [Priority.normal])}
+    assert listed == {"done-0", "done-1", "stuck-0", "stuck-1", "done-2", "done-3"}
