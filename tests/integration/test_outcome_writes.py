@@ -14,6 +14,7 @@ from models.synthetic import SyntheticModel
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import Change, TaskStore
+from sluice.aws import new_client
 from sluice.contract import RESULTS_PREFIX, Priority, TaskRecord, TaskStatus, now_ms
 from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.worker.runner import BatchRunner
@@ -119,6 +120,8 @@ def test_an_outcome_write_resent_after_it_landed_keeps_its_result(api, settings,
     # named: a task succeeded whose result was gone.
     to_s3 = settings.model_copy(update={"inline_result_max_bytes": 0})
     runner = BatchRunner(to_s3, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    # A client of its own: the shared one would keep the hook for the tests after this one.
+    runner.store = TaskStore(to_s3, ddb=new_client("dynamodb", to_s3))
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
     batch = PriorityQueues(to_s3).receive(Priority.normal, 10, 1, 30)
@@ -156,7 +159,7 @@ def test_a_refused_write_whose_landing_cannot_be_read_is_its_own_changes_error(s
     # Where a refusal carries no old item (dynalite), the record is read to tell
     # a resend from another run's win; that read failing must stay this
     # change's error: apply_each promises every other change its own call.
-    store = TaskStore(settings)
+    store = TaskStore(settings, ddb=new_client("dynamodb", settings))  # its own: the test replaces its calls
     for task_id in ("refused", "fine"):
         store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
                                 status=TaskStatus.queued, input_count=1, created_at=0))
@@ -175,5 +178,4 @@ def test_a_refused_write_whose_landing_cannot_be_read_is_its_own_changes_error(s
                 "error_message": "boom"}
     applied = store.apply_each([Change(t, finished, (TaskStatus.queued,)) for t in ("refused", "fine")])
     assert set(applied.errored) == {"refused"} and not applied.rejected
-    del store.ddb.get_item  # the client's own again
-    assert store.get("fine").status is TaskStatus.failed
+    assert TaskStore(settings).get("fine").status is TaskStatus.failed
