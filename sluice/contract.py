@@ -286,6 +286,11 @@ class TaskMessage(_Strict):
             raise ValueError(f"input_count is {self.input_count} but the message carries {len(self.inputs)} inputs")
         return self
 
+    def past_deadline(self, now: int) -> bool:
+        """Whether its task's deadline has passed at `now` (ms): a claim then
+        expires it, and so does an outcome that comes after it."""
+        return self.deadline_at is not None and self.deadline_at <= now
+
 
 class TaskRecord(BaseModel):
     """One item of the tasks table."""

@@ -138,7 +138,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     first: list[Job] = []
     for job in jobs:
         job.started_at = now
-        if job.message.deadline_at is not None and job.message.deadline_at <= now:
+        if job.message.past_deadline(now):
             expiries.append(expire(job.message.task_id, now, job.message.enqueued_at))
             result.expired.append(job)
         elif job.attempts > 1:
@@ -343,8 +343,7 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
     plan = OutcomePlan(now, settings.max_attempts)
     for o in outcomes:
         task_id = o.job.message.task_id
-        deadline_at = o.job.message.deadline_at
-        if deadline_at is not None and deadline_at <= now:
+        if o.job.message.past_deadline(now):
             plan.changes.append(expire(task_id, now, o.job.message.enqueued_at))
             plan.expired.append(o)
             continue

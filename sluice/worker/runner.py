@@ -92,8 +92,7 @@ class BatchRunner:
                 continue
             # Past its deadline, the claim expires it whatever its model: handed
             # back, it would circle until a worker with the model came, if any.
-            past_deadline = message.deadline_at is not None and message.deadline_at <= now
-            if message.model not in self.models and not past_deadline:
+            if message.model not in self.models and not message.past_deadline(now):
                 unserved.setdefault(message.model, []).append(received)
                 continue
             ack += gather(jobs, message, received)
