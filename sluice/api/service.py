@@ -550,43 +550,38 @@ class TaskService:
                 self.compensator.undo(kept, token)
             self._discard_inputs(uploaded)
             raise next(iter(errors.values()))
-        return BatchAccepted(tasks=self._in_batch_order([self._accepted(r, depths[r.priority]) for r, _ in built],
-                                                        depths))
+        return BatchAccepted(tasks=self._in_batch_order([r for r, _ in built], depths))
 
-    def _in_batch_order(self, accepted: list[TaskAccepted], depths: dict[Priority, int]) -> list[TaskAccepted]:
+    def _in_batch_order(self, tasks: list[TaskRecord] | list[TaskAccepted],
+                        depths: dict[Priority, int]) -> list[TaskAccepted]:
         """Each task of a batch behind the batch's earlier tasks of its priority
         (those of higher priorities are in the queue estimates already)."""
         earlier: Counter[Priority] = Counter()
         placed = []
-        for a in accepted:
-            position, wait = self._position(a.status, a.priority, depths[a.priority], earlier[a.priority])
-            placed.append(a.model_copy(update={"queue_position": position, "estimated_wait_s": wait}))
-            earlier[a.priority] += 1
+        for task in tasks:
+            placed.append(self._accepted(task, depths[task.priority], earlier[task.priority]))
+            earlier[task.priority] += 1
         return placed
 
-    def _accepted(self, record: TaskRecord, depth: int) -> TaskAccepted:
-        position, wait = self._position(record.status, record.priority, depth)
-        return TaskAccepted(task_id=record.task_id, status=record.status, priority=record.priority,
-                            queue_position=position, estimated_wait_s=wait)
-
-    def _position(self, status: TaskStatus, priority: Priority, depth: int,
-                  batch_ahead: int = 0) -> tuple[int, float | None]:
-        """(queue position, estimated wait). `depth`: the priority's depth before
-        this submit sent anything; `batch_ahead`: its batch's tasks of that
-        priority sent before it."""
+    def _accepted(self, task: TaskRecord | TaskAccepted, depth: int, batch_ahead: int = 0) -> TaskAccepted:
+        """`depth`: the priority's depth before this submit sent anything;
+        `batch_ahead`: its batch's tasks of that priority sent before it."""
         ahead = 0
-        if status == TaskStatus.queued:  # an idempotent retry may find it finished
+        if task.status == TaskStatus.queued:  # an idempotent retry may find it finished
             # `depth` is what the cap was held against; the position counts down
             # at the workers' pace since the queue was read, as the others do.
-            ahead = min(depth, self.backlog.estimate(priority)) + batch_ahead
-            if priority != Priority.high:
+            ahead = min(depth, self.backlog.estimate(task.priority)) + batch_ahead
+            if task.priority != Priority.high:
                 ahead += self.backlog.estimate(Priority.high)
-            if priority == Priority.low:
+            if task.priority == Priority.low:
                 ahead += self.backlog.estimate(Priority.normal)
         rate = self.backlog.drain_rate()
         if ahead == 0:
-            return 0, 0.0
-        return ahead, (round(ahead / rate, 1) if rate else None)  # no drain measured yet, or none now
+            wait: float | None = 0.0
+        else:
+            wait = round(ahead / rate, 1) if rate else None  # no drain measured yet, or none now
+        return TaskAccepted(task_id=task.task_id, status=task.status, priority=task.priority,
+                            queue_position=ahead, estimated_wait_s=wait)
 
     # ---------------------------------------------------------- get/cancel
     def _owned(self, tenant_id: str, task_id: str, record: TaskRecord | None) -> TaskRecord:
