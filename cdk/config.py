@@ -203,7 +203,7 @@ class SluiceConfig:
             # The API, the dispatcher, the settler and the workers all refuse it
             # as they start: after a deploy that "succeeded" (EKS) or rolls back
             # after the endpoint's 10-minute health check (SageMaker).
-            problems.append(f"models: {self.models!r} {models[1].format(**models[2])}")
+            problems.append(f"models: {self.models!r} {models.message()}")
         if not 1 <= self.max_batch_size <= 10_000:
             problems.append("max_batch_size: 1..10000")
         if self.max_wait_ms < 0:

@@ -162,7 +162,7 @@ class Settings(BaseSettings):
         # 422) and fail the worker as it builds its models.
         problem = models_problem(value)
         if problem:
-            raise PydanticCustomError(*problem)
+            raise problem
         return value
 
     @field_validator("s3_public_endpoint")
@@ -204,18 +204,18 @@ def model_names_of(models: str) -> list[str]:
     return [m.strip() for m in models.split(",") if m.strip()]
 
 
-def models_problem(models: str) -> tuple[str, str, dict[str, str]] | None:
-    """Why a SLUICE_MODELS value is refused, as pydantic's (type, message
-    template, context); None if every name is in the catalogue. The CDK app's
-    configuration checks its `models` with this too, before a deploy."""
+def models_problem(models: str) -> PydanticCustomError | None:
+    """Why a SLUICE_MODELS value is refused (its `.message()` says it); None if
+    every name is in the catalogue. The CDK app's configuration checks its
+    `models` with this too, before a deploy."""
     names = model_names_of(models)
     known = ", ".join(CATALOGUE)
     if not names:
-        return "no_model", "names no model; the catalogue has {known}", {"known": known}
+        return PydanticCustomError("no_model", "names no model; the catalogue has {known}", {"known": known})
     unknown = [n for n in names if n not in CATALOGUE]
     if unknown:
-        return ("unknown_model", "unknown model {unknown}; the catalogue has {known}",
-                {"unknown": ", ".join(map(repr, unknown)), "known": known})
+        return PydanticCustomError("unknown_model", "unknown model {unknown}; the catalogue has {known}",
+                                   {"unknown": ", ".join(map(repr, unknown)), "known": known})
     return None
 
 
