@@ -103,20 +103,18 @@ class PrefetchBuffer:
             if not self._cond.wait_for(lambda: self.closed or self._ready(), idle_wait_s) or self.closed:
                 return batch
             deadline = time.monotonic() + max_wait_s
-            alone = False
             if self._deferred is not None and self._queues[self._deferred]:
                 message, inputs = self._queues[self._deferred].popleft()  # it had its turn already
                 batch.append(message)
-                alone = runs_alone(message)
             self._deferred = None
             passed: set[Priority] = set()  # their head task does not fit in this batch
             while True:
-                full = alone or inputs >= max_inputs
+                # A message that runs alone never joins a batch begun: only the first can.
+                full = inputs >= max_inputs or (bool(batch) and runs_alone(batch[0]))
                 while not full and (ready := [p for p in self._ready() if p not in passed]):
                     priority = policy.pick(ready, cost=lambda p: self._queues[p][0][1])  # in inputs
                     message, n = self._queues[priority][0]
-                    alone = runs_alone(message)
-                    if batch and (alone or inputs + n > max_inputs):
+                    if batch and (runs_alone(message) or inputs + n > max_inputs):
                         # Ending the batch here would starve a big task (its
                         # turn spent, the batch cut short, again and again).
                         if self._deferred is None:
@@ -124,12 +122,11 @@ class PrefetchBuffer:
                         else:
                             policy.refund(priority, ready, n)
                         passed.add(priority)
-                        alone = False
                         continue
                     self._queues[priority].popleft()
                     batch.append(message)
                     inputs += n
-                    full = alone or inputs >= max_inputs
+                    full = inputs >= max_inputs or runs_alone(batch[0])
                 self._cond.notify_all()  # receivers may have room again
                 remaining = deadline - time.monotonic()
                 if full or remaining <= 0 or self.closed or len(passed) == len(Priority):
