@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated
 
@@ -53,6 +54,9 @@ READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeou
 # pool (40) they could take every thread while a dependency stalls, and reads
 # and cancels would queue behind them: submits get threads of their own.
 SUBMIT_THREADS = 32
+# At shutdown, how long rollbacks still retrying in the background get to land:
+# well inside the 30 s stop grace the compose file and a Kubernetes pod give.
+ROLLBACK_DRAIN_S = 5.0
 
 log = logging.getLogger("sluice.api")
 
@@ -261,10 +265,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = ApiKeys(settings) if settings.auth_mode == "table" else None
     limiter = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst) if settings.rate_limit_per_s > 0 else None
 
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Requests have finished (uvicorn waits for them before this); a rollback
+        # still retrying lives in a daemon thread that would die with the process.
+        await anyio.to_thread.run_sync(service.compensator.drain, ROLLBACK_DRAIN_S)
+
     app = FastAPI(
         title="Sluice",
         version=__version__,
         description="Asynchronous inference for PyTorch models. Authenticate with the `x-api-key` header.",
+        lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.auth_mode == "table":

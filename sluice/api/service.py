@@ -113,6 +113,11 @@ class Compensator:
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Handed to the background and neither deleted nor given up yet; what
+        # drain waits for, and names if shutdown comes first.
+        self._unsettled: Counter[str] = Counter()  # a retried submit may hand the same id over twice
+        self._settled = threading.Condition()
+        self._wake = threading.Event()  # drain: retry now, not after the backoff
 
     def undo(self, task_ids: list[str], token: str) -> None:
         for i, task_id in enumerate(task_ids):
@@ -130,11 +135,35 @@ class Compensator:
     def pending(self) -> int:
         return self._pending.qsize()
 
+    def drain(self, timeout_s: float) -> list[str]:
+        """At shutdown: waits up to timeout_s for the background's rollbacks to
+        land, and logs the id of each that did not (its record may stay
+        `queued` with no message until its TTL) for an operator. The thread is
+        a daemon: without this wait the process would exit and drop them."""
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        with self._settled:
+            self._settled.wait_for(lambda: not self._unsettled, timeout=max(0.0, deadline - time.monotonic()))
+            left = sorted(+self._unsettled)
+        for task_id in left:
+            log.error("could not roll back task %s before shutdown: it may stay queued without a message", task_id)
+        return left
+
+    def _settle(self, task_id: str) -> None:
+        with self._settled:
+            self._unsettled[task_id] -= 1
+            if self._unsettled[task_id] <= 0:
+                del self._unsettled[task_id]
+            self._settled.notify_all()
+
     def _later(self, task_id: str, token: str) -> None:
+        with self._settled:
+            self._unsettled[task_id] += 1
         try:
             self._pending.put_nowait((task_id, token, time.monotonic()))
         except queue.Full:
             log.error("could not roll back task %s: compensation backlog full", task_id)
+            self._settle(task_id)
             return
         with self._lock:
             if self._thread is None:
@@ -159,10 +188,12 @@ class Compensator:
             try:
                 self.store.delete_if_queued(task_id, token)
                 backoff = 0.5
+                self._settle(task_id)
             except Exception as exc:  # noqa: BLE001 - this thread is the backlog's only reader: it must not die
                 _log_unexpected(exc, task_id)
                 if time.monotonic() - since > self.give_up_s:
                     log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
+                    self._settle(task_id)
                     continue
                 try:
                     self._pending.put_nowait((task_id, token, since))
@@ -171,8 +202,11 @@ class Compensator:
                     # thread is the queue's only reader, so a blocking put would
                     # wait for ever: the delete is retried in place instead.
                     held = (task_id, token, since)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                if self._wake.is_set():
+                    time.sleep(0.2)  # draining: retry soon, not after a backoff that drain would not outlive
+                else:
+                    self._wake.wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
 
 
 def _log_unexpected(exc: Exception, task_id: str) -> None:

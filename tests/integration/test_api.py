@@ -495,3 +495,15 @@ def test_a_bug_answers_500_without_leaving_the_app(api, monkeypatch, caplog):
                            headers={"x-api-key": api.key_a})
     assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
     assert "unhandled RuntimeError" in caplog.text and "SECRET-PAYLOAD" not in caplog.text
+
+
+def test_the_app_drains_pending_rollbacks_as_it_shuts_down(settings, monkeypatch):
+    from sluice.api import app as api_app
+    from sluice.api.service import Compensator
+
+    drained = []
+    monkeypatch.setattr(Compensator, "drain", lambda self, timeout_s: drained.append(timeout_s) or [])
+    with TestClient(api_app.create_app(settings)) as api:
+        assert api.get("/health").status_code == 200
+        assert drained == []
+    assert drained == [api_app.ROLLBACK_DRAIN_S]

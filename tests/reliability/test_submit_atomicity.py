@@ -228,3 +228,25 @@ def test_a_rollback_that_fails_unexpectedly_is_retried_not_dropped(service):
     service.compensator.undo(ids, "token")
     wait_until(lambda: only_record(service) == [], 10, "both rollbacks, after the unexpected errors",
                state=lambda: f"pending={service.compensator.pending()} failures left={failures['left']}")
+
+
+def test_shutdown_waits_for_a_rollback_still_retrying_to_land(service, settings):
+    table_down = rollbacks_cut_off(service)
+    service.queues.send_many = cut
+    with pytest.raises(ApiError):
+        service.submit("t", REQUEST, None)
+    table_down.clear()  # the background is in its backoff: its next try would land, but not yet
+    assert service.compensator.drain(10) == []
+    assert only_record(service) == []  # landed before drain returned: the process may exit now
+
+
+def test_shutdown_names_each_rollback_that_could_not_land(service, caplog):
+    rollbacks_cut_off(service)  # and it stays down
+    service.queues.send_many = cut
+    with pytest.raises(ApiError):
+        service.submit("t", REQUEST, None)
+    [record] = only_record(service)
+    task_id = record["task_id"]["S"]
+    with caplog.at_level("ERROR", logger="sluice.api"):
+        assert service.compensator.drain(0.5) == [task_id]
+    assert any(task_id in r.getMessage() and "shutdown" in r.getMessage() for r in caplog.records), caplog.text
