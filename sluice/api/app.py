@@ -213,6 +213,31 @@ class KeyRequired:
         return await self.app(scope, receive, send)
 
 
+async def _until_disconnected(request: Request) -> None:
+    # After its (empty) body a GET's receive yields only the disconnect: uvicorn's
+    # when the client goes, Mangum's when the invocation has answered.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, waiting):
+    """What `waiting` returns; or, once the client has gone, cancels it and
+    returns `_GONE`. A long poll otherwise reads its task for a client that
+    stopped listening until its wait_s runs out (up to 20 s of reads each)."""
+    work = asyncio.ensure_future(waiting)
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        await asyncio.wait({work, gone})  # their cleanup (the waiter's registry) done as the request ends
+    return work.result() if work.done() and not work.cancelled() else _GONE
+
+
+_GONE = object()
+
+
 def _allowed_methods(app: FastAPI, scope) -> set[str]:
     """Every method some route serves on the request's path."""
     methods: set[str] = set()
@@ -417,7 +442,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                               limiter=submit_threads)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskView, tags=["tasks"], responses=_errors(*_AUTHED, 404, 422))
-    async def get_task(task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:
+    async def get_task(request: Request, task_id: TaskIdParam, tenant_id: Tenant, wait_s: WaitParam = 0) -> TaskView:
         # The wait counts from the request, its first look included: behind API
         # Gateway's 29 s a slow first read plus a whole wait_s would be a 504.
         started = time.monotonic()
@@ -437,7 +462,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # The final record; or, when the wait ran out first, the latest one the
             # waiter read (a retry's error, an attempt), so a timed-out wait answers
             # the task's current state without a read of its own. None: it read none.
-            record = await waiter.wait(task_id, left_s)
+            record = await _unless_disconnected(request, waiter.wait(task_id, left_s))
+            if record is _GONE:
+                return view  # to no one: it only ends the request
             if record is not None:
                 final = record.status.is_terminal
                 view = await run_in_threadpool(service.view, record) if final else \

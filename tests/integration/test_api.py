@@ -1,5 +1,6 @@
 """The HTTP API against the emulator: auth, validation, idempotency, cancel."""
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -507,3 +508,53 @@ def test_the_app_drains_pending_rollbacks_as_it_shuts_down(settings, monkeypatch
         assert api.get("/health").status_code == 200
         assert drained == []
     assert drained == [api_app.ROLLBACK_DRAIN_S]
+
+
+def test_a_long_poll_stops_reading_once_its_client_has_gone(settings, entered_waiters):
+    # Driven as uvicorn drives the app (ASGI), since only there can a client
+    # leave mid-request: its receive() yields http.disconnect.
+    import asyncio
+
+    from sluice.api.app import create_app
+
+    key = ApiKeys(settings).create("tenant-a")[0]
+    app = create_app(settings)
+
+    async def scenario():
+        sent, gone = [], asyncio.Event()
+
+        async def send(message):
+            sent.append(message)
+
+        async def call(method, path, query=b"", body=b""):
+            delivered = False
+
+            async def receive():
+                nonlocal delivered
+                if not delivered:
+                    delivered = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+                     "query_string": query, "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+                     "headers": [(b"host", b"sluice"), (b"x-api-key", key.encode()),
+                                 (b"content-type", b"application/json")]}
+            await app(scope, receive, send)
+
+        await call("POST", "/v1/tasks", body=b'{"model": "synthetic", "inputs": ["left"]}')
+        task_id = json.loads(sent[-1]["body"])["task_id"]
+        polling = asyncio.create_task(call("GET", f"/v1/tasks/{task_id}", b"wait_s=20"))
+        for _ in range(200):  # bounded: 10 s for the GET to park in the waiter
+            if entered_waiters and entered_waiters[-1]._waiting.get(task_id):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the long poll never parked")
+        gone.set()  # the client closes its connection
+        await asyncio.wait_for(polling, 5)  # not the 20 s it asked to wait
+        assert task_id not in entered_waiters[-1]._waiting  # nothing left to read for it
+
+    asyncio.run(scenario())
