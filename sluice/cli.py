@@ -269,9 +269,15 @@ def _submit(body: dict, args) -> tuple[int, dict]:
                                   f"--idempotency-key {key} to get it, never a second one", transient=True) from None
             time.sleep(1.0)
             continue
-        if status in (429, 503) and attempt < SUBMIT_TRIES:
-            time.sleep(min(_retry_after(headers), 5.0))
-            continue
+        if status in (429, 503):
+            if attempt < SUBMIT_TRIES:
+                time.sleep(min(_retry_after(headers), 5.0))
+                continue
+            # A 503 may come after the task was queued (its answer lost on the
+            # way back inside the API); the error body still goes to stdout.
+            print(f"sluice: the API answered {status} to all {SUBMIT_TRIES} tries; send it again with "
+                  f"--idempotency-key {key} to get the task if one was created, never a second one",
+                  file=sys.stderr)
         return status, payload
     raise AssertionError("unreachable")
 

@@ -273,3 +273,14 @@ def test_each_submit_has_a_key_of_its_own(scripted, capsys):
     for _ in range(2):
         assert cli.main(["--url", url, "--api-key", "k", "submit", "hello"]) == 0
     assert len(set(api.post_keys)) == 2
+
+
+@pytest.mark.parametrize("refusal", [503, 429])
+def test_a_submit_refused_on_every_try_names_the_key_to_send_it_again_with(scripted, capsys, refusal):
+    url, api = scripted
+    api.posts = [(refusal, {"error": {"code": "dependency_unavailable", "message": "down"}}, {"Retry-After": "0"})]
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "hello"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["code"] == "dependency_unavailable"  # the answer itself, as before
+    assert len(api.post_keys) == cli.SUBMIT_TRIES and len(set(api.post_keys)) == 1
+    assert len(err.strip().splitlines()) == 1 and f"--idempotency-key {api.post_keys[0]}" in err, err
