@@ -196,21 +196,57 @@ class ContainUnexpected:
                 await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
-class KeyRequired:
-    """A request to /v1/ without an x-api-key is refused (401) before its body is
-    read: otherwise anyone could make the API buffer and parse a megabyte of JSON,
-    and a keyless request with a bad body was answered 400 for the body. Only
-    where the app checks keys itself (on AWS the gateway does, before the app)."""
+class KeyCheck:
+    """Where the app checks keys itself (on AWS the gateway does, before the
+    app): a request to /v1/ is authenticated and rate limited before its body
+    is read. Otherwise anyone with a made-up key could make the API buffer and
+    parse a megabyte of JSON on its event loop, and a bad key with a bad body
+    was answered 400 for the body where API Gateway answers 403 first. The
+    routes get the tenant from scope["state"]."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, keys: ApiKeys, limiter: TokenBucket | None):
+        self.app, self.keys, self.limiter = app, keys, limiter
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
-                not dict(scope.get("headers") or []).get(b"x-api-key", b"").strip():
-            err = ApiError(401, "unauthenticated", "missing x-api-key header")
-            return await JSONResponse(err.body(), status_code=401)({"type": "http"}, None, send)
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        try:
+            tenant_id = await self._tenant(dict(scope.get("headers") or []).get(b"x-api-key", b"").decode("latin-1"))
+        except ApiError as err:
+            return await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(
+                {"type": "http"}, None, send)
+        except (BotoCoreError, ClientError) as exc:
+            return await _dependency_unavailable(exc)({"type": "http"}, None, send)
+        scope.setdefault("state", {})[_TENANT] = tenant_id
         return await self.app(scope, receive, send)
+
+    async def _tenant(self, key: str) -> str:
+        if not key.strip():
+            raise ApiError(401, "unauthenticated", "missing x-api-key header")
+        # On the event loop while the key is cached: a thread hop per request
+        # costs more than the lookup itself.
+        try:
+            record = self.keys.authenticate_cached(key)
+        except LookupError:
+            record = await run_in_threadpool(self.keys.authenticate, key)
+        if record is None:
+            raise ApiError(403, "forbidden", "unknown or revoked API key")
+        if self.limiter:
+            wait = self.limiter.take(record.key_id)
+            if wait:
+                raise ApiError(429, "rate_limited", "too many requests for this key",
+                               headers={"Retry-After": str(max(1, round(wait + 0.5)))})
+        return record.tenant_id
+
+
+_TENANT = "sluice.tenant_id"
+
+
+def _dependency_unavailable(exc: Exception) -> JSONResponse:
+    # Never a stack trace to the client: the cause goes to the log only.
+    log.warning("dependency call failed: %s", type(exc).__name__)
+    err = unavailable("a dependency")
+    return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -305,7 +341,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.auth_mode == "table":
-        app.add_middleware(KeyRequired)  # before the body is read
+        app.add_middleware(KeyCheck, keys=keys, limiter=limiter)  # before the body is read
     app.add_middleware(ContainUnexpected)  # outermost of ours: around every other
 
     @app.exception_handler(ApiError)
@@ -352,34 +388,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(ClientError)
     @app.exception_handler(Unprocessed)  # the table throttled a batch read past its retries
     async def _dependency(_: Request, exc: Exception):
-        # Never a stack trace to the client: the cause goes to the log only.
-        log.warning("dependency call failed: %s", type(exc).__name__)
-        err = unavailable("a dependency")
-        return JSONResponse(err.body(), status_code=503, headers=err.headers)
+        return _dependency_unavailable(exc)
 
-    async def tenant(request: Request, x_api_key: Annotated[str | None, Security(API_KEY)] = None) -> str:
+    async def tenant(request: Request, _: Annotated[str | None, Security(API_KEY)] = None) -> str:
         if settings.auth_mode == "apigateway":
             event = request.scope.get("aws.event") or {}
             key_id = (event.get("requestContext") or {}).get("identity", {}).get("apiKeyId")
             if not key_id:
                 raise ApiError(401, "unauthenticated", "missing API key")
             return key_id
-        if not x_api_key:
-            raise ApiError(401, "unauthenticated", "missing x-api-key header")
-        # On the event loop while the key is cached: a thread hop per request
-        # costs more than the lookup itself.
-        try:
-            record = keys.authenticate_cached(x_api_key)
-        except LookupError:
-            record = await run_in_threadpool(keys.authenticate, x_api_key)
-        if record is None:
-            raise ApiError(403, "forbidden", "unknown or revoked API key")
-        if limiter:
-            wait = limiter.take(record.key_id)
-            if wait:
-                raise ApiError(429, "rate_limited", "too many requests for this key",
-                               headers={"Retry-After": str(max(1, round(wait + 0.5)))})
-        return record.tenant_id
+        return request.scope["state"][_TENANT]  # KeyCheck's, before the body was read
 
     Tenant = Annotated[str, Depends(tenant)]
 

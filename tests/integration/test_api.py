@@ -65,6 +65,29 @@ def test_a_request_without_a_key_is_401_before_its_body_is_read(api):
     assert api.get("/health").status_code == 200  # no key needed outside /v1/
 
 
+def test_a_request_with_an_unknown_key_is_403_before_its_body_is_read(api, settings):
+    # A made-up key is no key: its megabyte of JSON is never parsed, nor its
+    # size held against it; API Gateway too answers 403 before the body.
+    for body, headers in ((b"{not json", {}), (b"[" * 10**6, {}), (b"x" * 10, {"content-length": str(10 ** 9)})):
+        response = api.post("/v1/tasks", content=body,
+                            headers={"content-type": "application/json", "x-api-key": "sk_made_up", **headers})
+        assert response.status_code == 403, (headers, response.text[:200])
+        assert response.json()["error"]["code"] == "forbidden"
+    assert nothing_recorded(settings)
+
+
+def test_a_key_table_out_of_reach_is_503_with_retry_after(api, monkeypatch):
+    from botocore.exceptions import EndpointConnectionError
+
+    def cut(self, key):
+        raise EndpointConnectionError(endpoint_url="http://cut")
+
+    monkeypatch.setattr(ApiKeys, "authenticate", cut)
+    response = submit(api, "sk_not_cached")
+    assert response.status_code == 503 and response.headers["Retry-After"], response.text
+    assert response.json()["error"]["code"] == "dependency_unavailable"
+
+
 def test_a_key_is_read_from_the_table_once_then_answered_from_the_cache(settings):
     # The API answers cached keys on its event loop and reads only a miss in a thread.
     keys = ApiKeys(settings.model_copy(update={"key_cache_s": 60}))
