@@ -12,6 +12,7 @@ import email.utils
 import http.client
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
+from sluice.contract import MAX_IDEMPOTENCY_KEY_CHARS, MAX_TASK_ID_CHARS, TASK_ID_PATTERN
 from sluice.settings import SettingsError
 
 # None: SLUICE_STATE_DIR's, or the nearest .sluice/ from the current folder up
@@ -127,6 +129,12 @@ def _base_url(args) -> str:
     return getattr(args, "url", None) or os.environ.get("SLUICE_URL") or _state().get("url") or "http://127.0.0.1:8000"
 
 
+def _on_the_wire(value: str) -> str:
+    """A header value as curl sends it, UTF-8, in what http.client writes as Latin-1:
+    the API reads the same Idempotency-Key from both."""
+    return value.encode().decode("latin-1")
+
+
 def _call(method: str, path: str, body: dict | None = None, args=None,
           timeout_s: float | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict, Message]:
     """`timeout_s`: how long to wait for the answer (_TIMEOUT_S by default)."""
@@ -137,7 +145,8 @@ def _call(method: str, path: str, body: dict | None = None, args=None,
         url.rstrip("/") + path,
         method=method,
         data=json.dumps(body).encode() if body is not None else None,
-        headers={"content-type": "application/json", **({"x-api-key": key} if key else {}), **(headers or {})},
+        headers={k: _on_the_wire(v) for k, v in
+                 {"content-type": "application/json", **({"x-api-key": key} if key else {}), **(headers or {})}.items()},
     )
     try:
         try:
@@ -148,6 +157,9 @@ def _call(method: str, path: str, body: dict | None = None, args=None,
             status, raw, headers = response.status, response.read(), response.headers
     except urllib.error.URLError as err:
         raise ApiUnusable(f"sluice: cannot reach {url}: {err.reason}", transient=True) from None
+    except UnicodeEncodeError:  # http.client sends a URL as ASCII
+        raise ApiUnusable(f"sluice: cannot use the URL {url}: percent-encode what is not ASCII",
+                          transient=False) from None
     # A connection dropped, reset or silent once the request was sent: urlopen raises these unwrapped.
     except (OSError, http.client.HTTPException) as err:
         reason = (f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError)
@@ -257,6 +269,15 @@ SUBMIT_TRIES = 3
 
 def _submit(body: dict, args) -> tuple[int, dict]:
     key = args.idempotency_key or uuid.uuid4().hex
+    try:
+        return _submit_under(key, body, args)
+    except KeyboardInterrupt:
+        print(f"sluice: interrupted; the task may have been created: send it again with --idempotency-key {key} "
+              "to get it, never a second one", file=sys.stderr)
+        raise
+
+
+def _submit_under(key: str, body: dict, args) -> tuple[int, dict]:
     for attempt in range(1, SUBMIT_TRIES + 1):
         try:
             status, payload, headers = _call("POST", "/v1/tasks", body, args, headers={"Idempotency-Key": key})
@@ -269,15 +290,14 @@ def _submit(body: dict, args) -> tuple[int, dict]:
                                   f"--idempotency-key {key} to get it, never a second one", transient=True) from None
             time.sleep(1.0)
             continue
-        if status in (429, 503):
-            if attempt < SUBMIT_TRIES:
-                time.sleep(min(_retry_after(headers), 5.0))
-                continue
-            # A 503 may come after the task was queued (its answer lost on the
+        if status in (429, 503) and attempt < SUBMIT_TRIES:
+            time.sleep(min(_retry_after(headers), 5.0))
+            continue
+        if status == 429 or status >= 500:
+            # A 5xx may come after the task was queued (its answer lost on the
             # way back inside the API); the error body still goes to stdout.
-            print(f"sluice: the API answered {status} to all {SUBMIT_TRIES} tries; send it again with "
-                  f"--idempotency-key {key} to get the task if one was created, never a second one",
-                  file=sys.stderr)
+            print(f"sluice: the API answered {status}; send it again with --idempotency-key {key} to get the "
+                  "task if one was created, never a second one", file=sys.stderr)
         return status, payload
     raise AssertionError("unreachable")
 
@@ -324,6 +344,20 @@ def _tenant(value: str) -> str:
         return check_tenant(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _task_id(value: str) -> str:
+    # Checked before it goes into the URL: "t1#x" would name task t1, "t1?wait_s=20" add a query.
+    if not (len(value) <= MAX_TASK_ID_CHARS and re.match(TASK_ID_PATTERN, value)):
+        raise argparse.ArgumentTypeError(f"a task id is 1-{MAX_TASK_ID_CHARS} letters, digits, '_' or '-', "
+                                         f"not {value!r}")
+    return value
+
+
+def _idempotency_key(value: str) -> str:
+    if not 1 <= len(value.encode()) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise argparse.ArgumentTypeError(f"an Idempotency-Key is 1-{MAX_IDEMPOTENCY_KEY_CHARS} bytes in UTF-8")
+    return value
 
 
 def _at_least_1(value: str) -> int:
@@ -435,16 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=int, help="seconds")
     p.add_argument("--wait", action="store_true", help="poll until the task is final (exit status: below)")
     p.add_argument("--timeout", type=_positive_seconds, default=60, help="seconds --wait waits (default: 60)")
-    p.add_argument("--idempotency-key", help="the submit's Idempotency-Key (default: a new one); the CLI resends "
+    p.add_argument("--idempotency-key", type=_idempotency_key, help="the submit's Idempotency-Key (default: a new one); the CLI resends "
                    "a submit that got no answer, a 503 or a 429 under it, up to 3 tries in all")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("get", help="show a task")
-    p.add_argument("task_id")
+    p.add_argument("task_id", type=_task_id)
     p.set_defaults(func=cmd_get)
 
     p = sub.add_parser("cancel", help="cancel a queued task")
-    p.add_argument("task_id")
+    p.add_argument("task_id", type=_task_id)
     p.set_defaults(func=cmd_cancel)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
@@ -470,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # what it means for a submit is on stderr already
+        return 130
     except BrokenPipeError:  # `sluice get … | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

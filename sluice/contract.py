@@ -64,7 +64,8 @@ MetadataValue = Annotated[str, StringConstraints(max_length=256)]
 # A task's inputs, as the API takes them and the endpoint runs them.
 TaskInputs = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS_PER_TASK)]
 # The API's path and header parameters (sluice/api/app.py).
-TaskId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
+TASK_ID_PATTERN = r"^[A-Za-z0-9_-]+$"  # the CLI checks ids with it too, before they go into a URL
+TaskId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TASK_ID_CHARS, pattern=TASK_ID_PATTERN)]
 # An API key's id on AWS (API Gateway's, alphanumeric), a tenant name on-prem
 # (sluice.adapters.api_keys.check_tenant: 64 at most); it names S3 keys too.
 TenantId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]

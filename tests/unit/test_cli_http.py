@@ -275,12 +275,49 @@ def test_each_submit_has_a_key_of_its_own(scripted, capsys):
     assert len(set(api.post_keys)) == 2
 
 
-@pytest.mark.parametrize("refusal", [503, 429])
-def test_a_submit_refused_on_every_try_names_the_key_to_send_it_again_with(scripted, capsys, refusal):
+@pytest.mark.parametrize("refusal, tries", [(503, cli.SUBMIT_TRIES), (429, cli.SUBMIT_TRIES), (500, 1)])
+def test_a_submit_that_ends_refused_names_the_key_to_send_it_again_with(scripted, capsys, refusal, tries):
     url, api = scripted
     api.posts = [(refusal, {"error": {"code": "dependency_unavailable", "message": "down"}}, {"Retry-After": "0"})]
     assert cli.main(["--url", url, "--api-key", "k", "submit", "hello"]) == 1
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["code"] == "dependency_unavailable"  # the answer itself, as before
-    assert len(api.post_keys) == cli.SUBMIT_TRIES and len(set(api.post_keys)) == 1
+    assert len(api.post_keys) == tries and len(set(api.post_keys)) == 1
     assert len(err.strip().splitlines()) == 1 and f"--idempotency-key {api.post_keys[0]}" in err, err
+
+
+def test_a_submit_interrupted_names_the_key_and_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_call", interrupted)
+    assert cli.main(["--url", "http://127.0.0.1:9", "--api-key", "k", "submit", "--idempotency-key", "job-7",
+                     "hello"]) == 130
+    err = capsys.readouterr().err
+    assert "--idempotency-key job-7" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("task_id", ["t1#frag", "t1?wait_s=20", "", "a b", "x" * 65, "../keys"])
+@pytest.mark.parametrize("command", ["get", "cancel"])
+def test_a_task_id_the_api_could_not_have_made_is_refused_before_any_request(scripted, capsys, command, task_id):
+    # Put into the URL as it was, "t1#frag" named task t1 and "" drew a redirect.
+    url, api = scripted
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--url", url, "--api-key", "k", command, task_id])
+    assert refused.value.code == 2 and "a task id is" in capsys.readouterr().err
+    assert api.gets == []
+
+
+def test_a_key_that_is_not_latin_1_goes_out_as_utf_8_as_curl_sends_it(scripted, capsys):
+    url, api = scripted
+    assert cli.main(["--url", url, "--api-key", "k", "submit", "--idempotency-key", "ключ-1", "hello"]) == 0
+    assert api.post_keys[0].encode("latin-1").decode() == "ключ-1"  # the server read the UTF-8 bytes
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--url", url, "submit", "--idempotency-key", "ключ" * 20, "hello"])  # 160 bytes
+    assert refused.value.code == 2 and "bytes in UTF-8" in capsys.readouterr().err
+
+
+def test_a_url_that_is_not_ascii_is_one_line_not_a_traceback(capsys):
+    assert cli.main(["--url", "http://127.0.0.1:9/ü", "--api-key", "k", "get", "t1"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not ASCII" in err, err
