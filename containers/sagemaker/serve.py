@@ -38,6 +38,13 @@ OriginalStatusCode is 503 and whose body's code is `model_broken`) as a call
 that ran nothing, and hands its tasks back to SQS without spending an attempt,
 as the EKS worker that stops hands back its messages.
 
+A call that waited for the model past the time its caller gives up on it
+(SageMaker's 60 s, or less where the dispatcher's CustomAttributes say
+`sluice-give-up-s=N`) is refused unrun when its turn comes, with a 503 whose
+code is `caller_gone` (CALLER_GONE): no one would read its answer, and running it
+would make the calls queued behind it wait longer still and time out too. A
+caller that left before its answer is logged, not an error of the model.
+
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
 model itself runs one batch at a time behind a lock.
@@ -51,6 +58,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -82,6 +90,27 @@ JSON = "application/json"
 # kept equal by a test) reads it as a call that ran nothing. Defined on both
 # sides, not shared: sluice.contract leaves error codes free-form strings.
 MODEL_BROKEN = "model_broken"
+# The code of the 503 for a call whose caller gave up while it waited for the
+# model (kept equal to the dispatcher's, as MODEL_BROKEN is).
+CALLER_GONE = "caller_gone"
+# A real-time endpoint's invocation ends after 60 s, whatever the container does.
+SAGEMAKER_INVOCATION_TIMEOUT_S = 60.0
+# The header SageMaker passes an InvokeEndpoint's CustomAttributes in.
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+
+
+def give_up_at(arrived: float, custom_attributes: str | None) -> float:
+    """When (time.monotonic()) the caller of a call that arrived then has given
+    up on it: SageMaker's timeout, or the caller's own if it named a shorter one."""
+    budget = SAGEMAKER_INVOCATION_TIMEOUT_S
+    for part in (custom_attributes or "").replace(";", ",").split(","):
+        name, _, value = part.partition("=")
+        if name.strip() == "sluice-give-up-s":
+            try:
+                budget = min(budget, max(0.0, float(value)))
+            except ValueError:
+                pass
+    return arrived + budget
 
 
 class RequestError(Exception):
@@ -111,7 +140,9 @@ class Endpoint:
         self.broken = False  # for good: /ping and invocations answer 503 until SageMaker replaces the instance
         self._watch = BrokenModelWatch()  # the EKS worker's rule (sluice.isolation)
 
-    def invoke(self, body: bytes, content_type: str | None) -> EndpointResult | EndpointTasksReply:
+    def invoke(self, body: bytes, content_type: str | None,
+               give_up_at: float | None = None) -> EndpointResult | EndpointTasksReply:
+        """`give_up_at`: when the caller stops waiting (give_up_at()); None: never."""
         if self.broken:  # nothing is read or run: the caller hands the tasks back
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, MODEL_BROKEN,
                                f"the model failed every task of {BROKEN_AFTER} calls in a row; this instance "
@@ -134,7 +165,7 @@ class Endpoint:
         if not isinstance(request, dict):
             raise RequestError(HTTPStatus.BAD_REQUEST, "validation_error", 'send {"inputs": [...]} or a JSON list')
         if "tasks" in request:
-            return self._invoke_tasks(request)
+            return self._invoke_tasks(request, give_up_at)
         try:
             single = EndpointRequest.model_validate(request)
         except ValidationError as exc:
@@ -142,6 +173,7 @@ class Endpoint:
         name, model = self._model(single.model)
         try:
             with self._locks[name]:
+                _still_awaited(give_up_at)
                 outputs = self._predict(model, single.inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
@@ -156,7 +188,7 @@ class Endpoint:
                                f"unknown model {name!r}; served: {', '.join(sorted(self.models))}")
         return name, model
 
-    def _invoke_tasks(self, request: dict) -> EndpointTasksReply:
+    def _invoke_tasks(self, request: dict, give_up_at: float | None) -> EndpointTasksReply:
         # A bad task is that task's error, not the request's: the others still run.
         tasks, answers = _read_tasks(request)
         name, model = self._model(request.get("model"))
@@ -181,6 +213,7 @@ class Endpoint:
 
         if tasks:
             with self._locks[name]:
+                _still_awaited(give_up_at)
                 results = run_isolating(run, tasks, failed)
             for (i, _), answer in zip(tasks, results):
                 answers[i] = answer
@@ -204,6 +237,13 @@ class Endpoint:
         if len(outputs) != len(inputs):
             raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs
+
+
+def _still_awaited(give_up_at: float | None) -> None:
+    """Raises, before anything runs, once the caller has given up on the call."""
+    if give_up_at is not None and time.monotonic() > give_up_at:
+        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, CALLER_GONE,
+                           "the call waited for the model past the time its caller gives up: not run")
 
 
 def _read_tasks(request: dict) -> tuple[list[tuple[int, EndpointTask]], list[EndpointTaskAnswer | None]]:
@@ -262,6 +302,7 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self._send(HTTPStatus.OK, json.dumps({"status": "ok", "models": sorted(endpoint.models)}).encode())
 
         def do_POST(self):
+            arrived = time.monotonic()
             if self.path.split("?")[0] != "/invocations":
                 self._drain()
                 return self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
@@ -275,12 +316,21 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                                    f"request body is over {endpoint.max_payload_bytes} bytes")
             body = self.rfile.read(int(length))
             try:
-                self._send(HTTPStatus.OK, body_of(endpoint.invoke(body, self.headers.get("Content-Type"))))
+                reply = endpoint.invoke(body, self.headers.get("Content-Type"),
+                                        give_up_at(arrived, self.headers.get(CUSTOM_ATTRIBUTES)))
+                status, data = HTTPStatus.OK, body_of(reply)
             except RequestError as err:
-                self._send(err.status, body_of(err.reply()))
+                status, data = err.status, body_of(err.reply())
             except Exception:
                 log.exception("invocation failed")
-                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "model_error", "the model failed on this request")
+                status, data = HTTPStatus.INTERNAL_SERVER_ERROR, body_of(RequestError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, "model_error", "the model failed on this request").reply())
+            try:
+                self._send(status, data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The caller timed out meanwhile: its tasks' outcome is its to decide.
+                log.info("the caller left before its answer (%d after %.1f s)", status, time.monotonic() - arrived)
+                self.close_connection = True
 
         def _drain(self):
             length = self.headers.get("Content-Length", "0")

@@ -71,7 +71,8 @@ _TURNED_AWAY = {"ThrottlingException", "ServiceUnavailable", "ModelNotReadyExcep
 # or code, a 503 or a 500 included, may have run the tasks: a failed attempt.
 _UNSERVED_MODEL = "unknown_model"
 _MODEL_BROKEN = "model_broken"
-_REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN)}
+_CALLER_GONE = "caller_gone"  # serve.py's CALLER_GONE: the call waited past our give_up_s
+_REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN), (503, _CALLER_GONE)}
 # The endpoint's per-task verdicts that every attempt would repeat.
 _PERMANENT = {INVALID_INPUT, "validation_error"}
 
@@ -99,6 +100,7 @@ class Dispatcher:
         max_tasks_per_call: int = MAX_TASKS_PER_CALL,
         max_inputs_per_call: int = MAX_INPUTS_PER_CALL,
         max_call_bytes: int = 5 * 2**20,
+        give_up_s: float | None = None,
     ):
         self.settings = settings
         self.endpoint = endpoint
@@ -108,6 +110,9 @@ class Dispatcher:
         self.max_tasks_per_call = max_tasks_per_call
         self.max_inputs_per_call = max_inputs_per_call
         self.max_call_bytes = max_call_bytes
+        # How long a call is waited for (the runtime client's read timeout): told
+        # to the container, which then skips a call still queued there past it.
+        self.give_up_s = give_up_s
         self.store = TaskStore(settings)
         self.payloads = PayloadStore(settings)
         self.metrics = metrics
@@ -215,6 +220,7 @@ class Dispatcher:
                 ContentType="application/json",
                 Accept="application/json",
                 Body=request.model_dump_json().encode(),
+                **({"CustomAttributes": f"sluice-give-up-s={self.give_up_s:g}"} if self.give_up_s else {}),
             )
             answer = EndpointTasksReply.model_validate_json(response["Body"].read())
             answers = {a.task_id: a for a in answer.tasks}

@@ -54,6 +54,7 @@ def dispatcher() -> Dispatcher:
             runtime,
             WorkerMetrics(settings=settings),
             concurrency=int(os.environ.get("SLUICE_DISPATCH_CONCURRENCY", "8")),
+            give_up_s=timeout + 5,
         )
     return _dispatcher
 

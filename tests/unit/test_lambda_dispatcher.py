@@ -64,6 +64,7 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
     endpoint = Endpoint({"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}, default_model="synthetic")
     calls: list[dict] = []
     posts: list[str] = []  # every request's path, answered or not
+    custom_attributes: list[str | None] = []  # as SageMaker hands them to the container
     sends_original_message = True
 
     def do_POST(self):
@@ -73,8 +74,11 @@ class SageMakerRuntime(BaseHTTPRequestHandler):
         if not match or match.group(1) != ENDPOINT:
             return self._send(503, {"message": "endpoint not in service"}, "ServiceUnavailable")
         self.calls.append(json.loads(body))
+        SageMakerRuntime.custom_attributes.append(self.headers.get(serve.CUSTOM_ATTRIBUTES))
         try:
-            return self._send(200, serve.body_of(self.endpoint.invoke(body, self.headers.get("Content-Type"))))
+            give_up_at = serve.give_up_at(time.monotonic(), self.headers.get(serve.CUSTOM_ATTRIBUTES))
+            return self._send(200, serve.body_of(self.endpoint.invoke(body, self.headers.get("Content-Type"),
+                                                                      give_up_at)))
         except RequestError as err:
             original = serve.body_of(err.reply()).decode()
             kind = "server" if err.status.value >= 500 else "client"
@@ -528,7 +532,7 @@ def test_another_refusal_of_the_whole_call_from_the_container_is_a_failed_attemp
                                                                                  status, code):
     # Only the status and code serve.py refuses with before any task runs say
     # that nothing ran: any other 503 or 500 may come from a call that ran them.
-    def refuse(body, content_type):
+    def refuse(body, content_type, give_up_at=None):
         raise RequestError(status, code, "refused")
 
     monkeypatch.setattr(SageMakerRuntime.endpoint, "invoke", refuse)
@@ -541,11 +545,27 @@ def test_another_refusal_of_the_whole_call_from_the_container_is_a_failed_attemp
     assert all("from primary" not in TaskStore(settings).get(task_id).error_message for task_id in ids)
 
 
-def test_the_dispatcher_reads_the_broken_endpoint_s_refusal_by_the_code_serve_py_sends():
+def test_the_dispatcher_reads_the_endpoint_s_refusals_by_the_codes_serve_py_sends():
     from lambdas.dispatcher import dispatch as dispatch_module
 
     assert dispatch_module._MODEL_BROKEN == serve.MODEL_BROKEN
-    assert (503, serve.MODEL_BROKEN) in dispatch_module._REFUSED_UNRUN
+    assert dispatch_module._CALLER_GONE == serve.CALLER_GONE
+    assert {(503, serve.MODEL_BROKEN), (503, serve.CALLER_GONE)} <= dispatch_module._REFUSED_UNRUN
+
+
+def test_the_dispatcher_tells_the_container_when_it_gives_up_and_a_call_skipped_for_it_spends_no_attempt(
+        dispatch, settings, monkeypatch):
+    # The container skips a call still queued there past the caller's read
+    # timeout (SLUICE_INVOKE_TIMEOUT_S + 5): nothing ran, so nothing is spent.
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    SageMakerRuntime.custom_attributes.clear()
+    event = sqs_event(settings, 1, receive_count=3)
+    real_invoke = SageMakerRuntime.endpoint.invoke
+    monkeypatch.setattr(SageMakerRuntime.endpoint, "invoke",
+                        lambda body, content_type, give_up_at=None: real_invoke(body, content_type, 0.0))
+    assert failed_ids(dispatch(event)) == {event["Records"][0]["messageId"]}
+    assert SageMakerRuntime.custom_attributes == ["sluice-give-up-s=15"]
+    assert_untouched(settings, ids)
 
 
 def test_another_400_from_the_container_is_a_failed_attempt(dispatch, settings, monkeypatch):

@@ -310,6 +310,65 @@ def test_once_broken_an_invocation_is_refused_with_503_model_broken_and_runs_not
     assert call(port, "GET", "/ping", conn=conn)[0] == 503  # the connection is still good
 
 
+def post_with(port, body, **headers):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", "/invocations", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", **headers})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+@pytest.mark.parametrize("request_body", [tasks_of("a", "b"), {"inputs": ["a"]}], ids=["many-task", "single-task"])
+def test_a_call_whose_caller_has_given_up_is_refused_when_its_turn_comes_and_runs_nothing(server, request_body):
+    # Queued behind other calls past its caller's timeout, it would be run for
+    # no one while the calls behind it waited longer still.
+    port, model = server
+    model.entered.clear()
+    status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: "sluice-give-up-s=0"})
+    assert status == 503 and body["error"]["code"] == serve.CALLER_GONE, body
+    assert not model.entered.is_set()
+    assert call(port, "GET", "/ping")[0] == 200  # no verdict on the model
+    status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: "sluice-give-up-s=30"})
+    assert status == 200 and model.batches, body
+
+
+def test_a_caller_gives_up_at_sagemaker_s_timeout_or_at_its_own_if_shorter():
+    assert serve.give_up_at(100.0, None) == 100.0 + serve.SAGEMAKER_INVOCATION_TIMEOUT_S == 160.0
+    assert serve.give_up_at(100.0, "sluice-give-up-s=15") == 115.0
+    assert serve.give_up_at(100.0, "trace=abc; sluice-give-up-s=12.5") == 112.5
+    assert serve.give_up_at(100.0, "sluice-give-up-s=600") == 160.0  # SageMaker stops waiting at 60 s anyway
+    assert serve.give_up_at(100.0, "sluice-give-up-s=soon") == 160.0
+
+
+def test_a_caller_that_left_before_its_answer_is_no_error_of_the_model(caplog):
+    # The dispatcher's read timed out: writing the answer fails. Before, that
+    # was logged as "invocation failed" with a traceback, and a 500 was tried.
+    endpoint = serve.Endpoint({"echo": Recording()}, default_model="echo")
+    sends = []
+
+    class CallerGone(serve.make_handler(endpoint)):
+        def _send(self, status, data):
+            sends.append(status)
+            raise BrokenPipeError(32, "Broken pipe")
+
+    srv = serve.ThreadingHTTPServer(("127.0.0.1", 0), CallerGone)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("INFO", logger="sluice.sagemaker"):
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                post_with(srv.server_address[1], tasks_of("a"))
+            deadline = time.monotonic() + 5
+            while not any("left before its answer" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.02)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert sends == [200]  # no 500 tried on the broken connection
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_one_failing_task_a_call_is_a_poison_input_and_never_turns_ping_unhealthy(server):
     port, model = server
     model.broken = True
