@@ -37,6 +37,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
 from pydantic import ValidationError
@@ -75,6 +76,11 @@ _CALLER_GONE = "caller_gone"  # serve.py's CALLER_GONE: the call waited past our
 _REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN), (503, _CALLER_GONE)}
 # The endpoint's per-task verdicts that every attempt would repeat.
 _PERMANENT = {INVALID_INPUT, "validation_error"}
+
+
+# What a dispatch keeps, after the endpoint's longest answer (give_up_s), to
+# record the outcomes: uploads and conditional writes, each up to 3 tries of 4 s.
+RECORDING_RESERVE_S = 15.0
 
 
 class TurnedAway(Exception):
@@ -119,14 +125,15 @@ class Dispatcher:
         # Concurrent invocations spread one SQS batch over the endpoint's instances.
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sluice-dispatch")
 
-    def dispatch(self, deliveries: list[Delivery]) -> dict[str, str]:
+    def dispatch(self, deliveries: list[Delivery], time_left_s: Callable[[], float] | None = None) -> dict[str, str]:
         """Run one batch. Returns {message_id: reason} for the messages SQS must
-        deliver again; every other message is finished and may be deleted."""
+        deliver again; every other message is finished and may be deleted.
+        `time_left_s`: what is left of the invocation (the Lambda context's)."""
         retry: dict[str, str] = {}
         jobs = self._parse(deliveries)
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
         runnable, unreadable = load_inputs(self.payloads, self._claim(jobs), self.pool)
-        outcomes, turned_away = self._infer(runnable)
+        outcomes, turned_away = self._infer(runnable, time_left_s)
         if turned_away:
             # These ran nothing, whatever the outcomes' writes do.
             unclaim(self.store, [job for job, _ in turned_away])
@@ -158,8 +165,15 @@ class Dispatcher:
         return claim(self.store, list(jobs.values()), now_ms()).runnable
 
     # ------------------------------------------------------------ infer
-    def _infer(self, jobs: list[Job]) -> tuple[list[Outcome], list[tuple[Job, str]]]:
-        """The outcomes, and the jobs of calls the endpoint turned away, with why."""
+    def _infer(self, jobs: list[Job], time_left_s: Callable[[], float] | None = None,
+               ) -> tuple[list[Outcome], list[tuple[Job, str]]]:
+        """The outcomes, and the jobs of calls the endpoint turned away (or that
+        were not made: too little of the invocation left), with why."""
+        if jobs and time_left_s and self.give_up_s and time_left_s() < self.give_up_s + RECORDING_RESERVE_S:
+            # A slow claim ate the time: the function would time out after the
+            # endpoint answered, losing every result and spending every attempt.
+            return [], [(job, "too little of the invocation left to wait for the endpoint and record its answer")
+                        for job in jobs]
         by_model: dict[str, list[Job]] = {}
         for job in jobs:
             by_model.setdefault(job.message.model, []).append(job)

@@ -65,7 +65,8 @@ def handler(event, context):
     d = dispatcher()
     records = [SQSRecord(r) for r in event.get("Records", [])]
     retry = d.dispatch(
-        [Delivery(r.message_id, r.body, int(r.attributes.approximate_receive_count or 1)) for r in records]
+        [Delivery(r.message_id, r.body, int(r.attributes.approximate_receive_count or 1)) for r in records],
+        time_left_s=lambda: context.get_remaining_time_in_millis() / 1000,
     )
     if d.metrics:
         d.metrics.flush()

@@ -568,6 +568,22 @@ def test_the_dispatcher_tells_the_container_when_it_gives_up_and_a_call_skipped_
     assert_untouched(settings, ids)
 
 
+def test_a_dispatch_left_too_little_time_to_wait_for_the_endpoint_hands_its_tasks_back_uncalled(
+        dispatch, settings, monkeypatch):
+    # A slow claim ate the invocation's time: a call now could be answered after
+    # the function's timeout, its results lost and every task's attempt spent.
+    ids = submit(settings, {"model": "synthetic", "inputs": ["x"]}, {"model": "synthetic", "inputs": ["y"]})
+    event = sqs_event(settings, 2, receive_count=2)
+    SageMakerRuntime.calls.clear()
+    # The read timeout is 15 s here (SLUICE_INVOKE_TIMEOUT_S 10 + 5), the reserve to record 15 s.
+    monkeypatch.setattr(LambdaContext, "get_remaining_time_in_millis", lambda self: 29_000)
+    assert failed_ids(dispatch(event)) == {r["messageId"] for r in event["Records"]}
+    assert SageMakerRuntime.calls == []
+    assert_untouched(settings, ids)
+    monkeypatch.setattr(LambdaContext, "get_remaining_time_in_millis", lambda self: 31_000)
+    assert failed_ids(dispatch(event)) == set()
+
+
 def test_another_400_from_the_container_is_a_failed_attempt(dispatch, settings, monkeypatch):
     # Only unknown_model says nothing ran: a call refused as invalid may have
     # been the endpoint's verdict on these very tasks.
