@@ -37,9 +37,8 @@ back only where the write was throttled (`task_store.throttled`): any other erro
 have landed, or will fail every delivery alike, so the start stands and the
 task reaches max_attempts rather than run for ever. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
-`failed` once its run's number (Job.attempts: the message's receive count, or
-one more than the runs its record counts, where that is more) reaches
-max_attempts; that message's next receive then moves it to the dead-letter queue. A permanent failure (an
+`failed` once the message's receive count reaches max_attempts; that message's
+next receive then moves it to the dead-letter queue. A permanent failure (an
 inputs object that does not exist or is not a JSON list of strings, or an input
 the model refuses) is marked `failed` at once: no other attempt could succeed.
 A final outcome renews the record's TTL (`expires_at`, set by the task store
@@ -87,17 +86,10 @@ class Job:
     # unclaim puts back). None: no start of this job's to take back.
     recorded_start: int | None = None
     started_before: int | None = None
-    # The runs the task's record counted before this delivery (the claim reads
-    # it): a fresh message of a task that ran before (settling's requeue, an
-    # operator's redrive, an idempotent retry's re-send) counts on from them,
-    # where its receive count starts again at 1.
-    recorded_attempts: int = 0
 
     @property
     def attempts(self) -> int:
-        """This run's number: the receive count (which also counts a killed
-        run that recorded nothing), or more where the record has counted more."""
-        return max(max(d.receive_count for d in self.deliveries), self.recorded_attempts + 1)
+        return max(d.receive_count for d in self.deliveries)
 
 
 def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
@@ -149,7 +141,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
         if job.message.past_deadline(now):
             expiries.append(expire(job.message.task_id, now, job.message.enqueued_at))
             result.expired.append(job)
-        elif max(d.receive_count for d in job.deliveries) > 1:
+        elif job.attempts > 1:
             redelivered.append(job)
         else:
             first.append(job)
@@ -172,12 +164,8 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
     for job in redelivered:
         (result.gone if job.message.task_id in applied.rejected else result.runnable).append(job)
     for job in first:
-        standing = statuses.get(job.message.task_id)
-        if standing is None or standing.status.is_terminal:
-            result.gone.append(job)
-        else:
-            job.recorded_attempts = standing.attempts
-            result.runnable.append(job)
+        status = statuses.get(job.message.task_id)
+        (result.gone if status is None or status.is_terminal else result.runnable).append(job)
     return result
 
 
@@ -190,7 +178,6 @@ def _note_recorded_starts(redelivered: list[Job], applied: Applied, now: int) ->
         if replaced is not None:
             job.recorded_start = now
             job.started_before = replaced.get("started_at")
-            job.recorded_attempts = int(replaced.get("attempts") or 0)
 
 
 def unclaim(store: TaskStore, jobs: list[Job]) -> None:

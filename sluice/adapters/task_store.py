@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
@@ -169,13 +169,6 @@ class Change:
         return request
 
 
-class Standing(NamedTuple):
-    """A task as a claim reads it."""
-
-    status: TaskStatus
-    attempts: int  # the runs its record counts so far
-
-
 @dataclass
 class Applied:
     """What TaskStore.apply_each did with each change, by task id; a change in
@@ -268,16 +261,15 @@ class TaskStore:
     def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
         return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids) if not _outlived(item)}
 
-    def statuses(self, task_ids: Iterable[str], created: Mapping[str, int] | None = None) -> dict[str, Standing]:
-        """Only the status and recorded attempts of each task that exists: what
-        a worker's claim reads for every batch, without a record's result,
-        error or metadata. `created`: the created_at each record must have, by
-        task id; a record of another (a later task under the same
-        Idempotency-Key) is left out."""
-        projection = {"ProjectionExpression": "task_id, #s, created_at, expires_at, attempts",
+    def statuses(self, task_ids: Iterable[str], created: Mapping[str, int] | None = None) -> dict[str, TaskStatus]:
+        """Only the status of each task that exists: what a worker's claim
+        reads for every batch, without a record's result, error or metadata.
+        `created`: the created_at each record must have, by task id; a record
+        of another (a later task under the same Idempotency-Key) is left out."""
+        projection = {"ProjectionExpression": "task_id, #s, created_at, expires_at",
                       "ExpressionAttributeNames": {"#s": "status"}}
         return {
-            item["task_id"]["S"]: Standing(TaskStatus(item["status"]["S"]), int(item.get("attempts", {}).get("N", 0)))
+            item["task_id"]["S"]: TaskStatus(item["status"]["S"])
             for item in self._batch_get(task_ids, projection)
             if not _outlived(item) and (created is None or int(item["created_at"]["N"]) == created[item["task_id"]["S"]])
         }

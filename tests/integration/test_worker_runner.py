@@ -157,25 +157,6 @@ def test_a_redelivery_records_its_start_before_running(api, settings, runner):
     assert (final.status.value, final.attempts) == ("succeeded", 2)
 
 
-def test_a_fresh_message_of_a_task_that_ran_before_counts_on_from_its_recorded_runs(api, settings, runner):
-    # Settling's requeue, an operator's redrive and an idempotent retry's
-    # re-send each give the task a fresh message, whose receive count starts
-    # again at 1. Counted by that alone, a task that crashes the model got
-    # max_attempts more runs from each, and its record's attempts went back to 1.
-    task_id = submit(api, "x !crash")
-    queues = PriorityQueues(settings)
-    for run in range(1, settings.max_attempts + 1):
-        [message] = receive_all(settings, 1)
-        assert message.receive_count == 1  # every run on a fresh message
-        run_once(runner, [message])
-        record = TaskStore(settings).get(task_id)
-        assert record.attempts == run, record
-        queues.delete_many([message])
-        if record.status.value == "queued":
-            queues.send(message.task())  # as settling's requeue sends it
-    assert (record.status.value, record.error_code) == ("failed", "model_error"), record
-
-
 def test_large_inputs_and_results_travel_through_s3(api, settings, runner):
     # The API and the runner share this settings object.
     settings.inline_payload_max_bytes = 1024
