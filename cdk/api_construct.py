@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from cdk import access
 from cdk.config import SluiceConfig
 from cdk.functions import LambdaCode, PythonFunction
+from cdk.log_retention import expire_service_log_group
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
 from sluice.api.errors import ApiError, unavailable
@@ -187,6 +188,12 @@ class Api(Construct):
             ),
         )
         self.stage = self.api.deployment_stage
+        # ERROR-level execution logging makes API Gateway create this group
+        # itself, with no retention.
+        expire_service_log_group(
+            self, "ExecutionLogRetention",
+            log_group_name=f"API-Gateway-Execution-Logs_{self.api.rest_api_id}/{self.stage.stage_name}",
+        )
 
         integration = apigw.LambdaIntegration(fn, proxy=True)
         # Bodies are validated by the app, not here: the gateway's refusal can

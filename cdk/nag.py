@@ -111,6 +111,11 @@ def suppress(stack: Stack) -> None:
         "AwsSolutions-APIG2",
     )
 
+    if not stack.config.waf:
+        _ack(stack, f"Api/RestApi/DeploymentStage.{stack.config.stage_name}",
+             "The web ACL is turned off by configuration (-c sluice.waf=false); the usage plans' per-key "
+             "throttles and quotas and the stage's throttle still apply.", "AwsSolutions-APIG3")
+
     # ------------------------------------------------------ log retention
     _ack(stack, RETENTION_FUNCTION_ID, _LOG_RETENTION,
          _managed("service-role/AWSLambdaBasicExecutionRole"), "AwsSolutions-IAM5[Resource::*]")

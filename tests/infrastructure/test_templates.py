@@ -414,6 +414,10 @@ def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, b
     else:
         (endpoint,) = resources(raw, "AWS::SageMaker::Endpoint")
         service_groups = {f"/aws/sagemaker/Endpoints/<{endpoint}.EndpointName>"}
+    # API Gateway's execution logs (ERROR level), in the group it names after the API and stage.
+    (rest_api,) = resources(raw, "AWS::ApiGateway::RestApi")
+    (stage,) = resources(raw, "AWS::ApiGateway::Stage")
+    service_groups.add(f"API-Gateway-Execution-Logs_<{rest_api}>/<{stage}>")
     # Set whether or not the service has created the group yet: a LogGroup of
     # the same name would fail on a stack whose service already made it.
     retained = {
@@ -969,6 +973,22 @@ def test_the_eks_worker_rollout_replaces_pods_in_place(synth):
     max_nodes: a surge pod would never schedule and the rollout would stall."""
     strategy = worker_deployment(synth.raw["eks"])["spec"]["strategy"]
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_the_stack_synthesizes_without_the_web_acl_when_told_to(tmp_path):
+    # -c sluice.waf=false, as docs/deploy.md shows it: cdk-nag's finding on a
+    # stage without a web ACL is acknowledged as the configuration's choice.
+    from cdk.build import build_app, new_app
+
+    image = tmp_path / "image"
+    (image / "containers" / "worker").mkdir(parents=True)
+    (image / "containers" / "worker" / "Dockerfile").write_text("FROM scratch\n")
+    app = new_app(context={"sluice.image_directory": str(image), "sluice.backends": "eks", "sluice.waf": "false"},
+                  outdir=str(tmp_path / "out"))
+    app, stacks = build_app(app)
+    template = app.synth().get_stack_by_name(stacks["eks"].stack_name).template
+    assert resources(template, "AWS::WAFv2::WebACL") == {}
+    assert resources(template, "AWS::ApiGateway::Stage")
 
 
 def test_another_instance_type_brings_a_new_endpoint_rather_than_updating_the_scaled_one(synth, tmp_path):
