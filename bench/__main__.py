@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 import traceback
 
@@ -25,6 +26,28 @@ from bench.common import ROOT, RESULTS, BenchProblems, log, machine, save
 # The result file a benchmark saves, where its name is not the benchmark's (a
 # GPU dry run keeps a real gpu.json, perhaps copied here from a device, intact).
 RESULT_FILES = {"sdk": "sdk_cpu", **({"gpu": "gpu-dry-run"} if os.environ.get("SLUICE_GPU_DRY_RUN") == "1" else {})}
+
+# Kept from the shell: where results go, which emulators, the GPU benchmark's
+# switches. Any other SLUICE_* setting (SLUICE_MINILM_DTYPE=fp32, a batch size)
+# would reach the stacks and the peers but not the raw model they are divided
+# by, so the suite measures Sluice's defaults, each benchmark setting its own.
+KEPT_SETTINGS = ("SLUICE_BENCH_", "SLUICE_EMBEDDED_", "SLUICE_GPU_")
+
+
+def measure_the_defaults(environ: dict) -> list[str]:
+    """Drops the SLUICE_* settings the suite must not inherit; returns their names."""
+    dropped = sorted(k for k in environ if k.startswith("SLUICE_") and not k.startswith(KEPT_SETTINGS))
+    for name in dropped:
+        del environ[name]
+    return dropped
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    # `make bench`'s time limit sends SIGTERM: as SystemExit it unwinds the
+    # benchmarks' `finally`s, which stop their stacks and peers, where the
+    # signal's default would leave them running in their own sessions.
+    raise SystemExit(128 + signum)
+
 
 SUITE = {
     "emulators": emulators.main,
@@ -103,6 +126,10 @@ def main() -> int:
     unknown = [n for n in chosen if n not in SUITE]
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(SUITE)}")
+    dropped = measure_the_defaults(os.environ)
+    if dropped:
+        log(f"measuring Sluice's defaults: ignoring {', '.join(dropped)} from the environment")
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     failed = []
     started = time.monotonic()
     if not a.plots_only:

@@ -428,6 +428,12 @@ def test_the_api_benchmark_flags_failed_submits_and_keeps_its_ratios_unrounded()
     results = {"phases": {}}
     summarize(results, {"direct": path(5.01, 300), "api": path(6.27, 300)}, 1, asked=300)
     assert results["ratio_p50_1"] == 1.2515 and "problems" not in results
+    # Nor rounded by way of the phases' percentiles (to 0.01 ms: 7.5 / 6.0 = 1.25, met).
+    summarize(results, {"direct": path(6.00004, 300), "api": path(7.50496, 300)}, 1, asked=300)
+    assert results["phases"]["api_1"]["p50_ms"] / results["phases"]["direct_1"]["p50_ms"] == 1.25
+    assert results["ratio_p50_1"] == 1.2509 > 1.25
+    summarize(results, {"direct": path(4.0, 300), "api": path(5.0, 300)}, 1, asked=300)
+    assert results["ratio_p50_1"] == 1.25  # exactly at the line is met, not pushed over it
     summarize(results, {"direct": path(5.0, 300), "api": path(6.0, 297, ["RuntimeError: 503"] * 3)}, 1, asked=300)
     [problem] = results["problems"]
     assert problem.startswith("api, 1 client(s): 297 of 300 submits succeeded; 3 error(s)")
@@ -435,3 +441,49 @@ def test_the_api_benchmark_flags_failed_submits_and_keeps_its_ratios_unrounded()
     pooled = {"direct": LoadResult(), "api": LoadResult()}
     alternate(5, lambda c, i: None, lambda c, i: None, None, pooled, timeout_s=0)
     assert all(r.errors and not r.latencies for r in pooled.values())
+
+
+def test_the_suite_measures_sluice_s_defaults_whatever_the_shell_exports():
+    # SLUICE_MINILM_DTYPE=fp32 reached the drain's worker and the peers, while
+    # the raw model they are divided by ran bf16.
+    from bench.__main__ import measure_the_defaults
+
+    environ = {"SLUICE_MINILM_DTYPE": "fp32", "SLUICE_MAX_BATCH_SIZE": "64", "SLUICE_BENCH_RESULTS": "/r",
+               "SLUICE_EMBEDDED_SQS": "moto", "SLUICE_GPU_BUDGET_S": "300", "PATH": "/bin"}
+    assert measure_the_defaults(environ) == ["SLUICE_MAX_BATCH_SIZE", "SLUICE_MINILM_DTYPE"]
+    assert environ == {"SLUICE_BENCH_RESULTS": "/r", "SLUICE_EMBEDDED_SQS": "moto", "SLUICE_GPU_BUDGET_S": "300",
+                       "PATH": "/bin"}
+
+
+def test_the_suite_cut_off_by_sigterm_stops_what_its_benchmark_started(tmp_path):
+    # `make bench`'s time limit: the benchmark's finally (which stops its stack
+    # and its peers, each in a session of its own) must run.
+    import signal
+    import time
+
+    marker = tmp_path / "stopped"
+    script = (
+        "import sys, time\n"
+        "import bench.__main__ as suite\n"
+        "def hangs(quick):\n"
+        "    try:\n"
+        "        print('started', flush=True)\n"
+        "        time.sleep(60)\n"
+        "    finally:\n"
+        f"        open({str(marker)!r}, 'w').write('stopped')\n"
+        "suite.SUITE = {'hangs': hangs}\n"
+        "suite.machine = lambda: {}\n"
+        "sys.argv = ['bench', '--only', 'hangs']\n"
+        "sys.exit(suite.main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=bench.common.ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "SLUICE_BENCH_RESULTS": str(tmp_path)})
+    try:
+        for line in proc.stdout:  # after the suite's own lines
+            if line.strip() == "started":
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert marker.read_text() == "stopped"
