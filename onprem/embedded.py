@@ -54,6 +54,7 @@ WORKER_BACKOFF_S = 1.0
 WORKER_BACKOFF_MAX_S = 30.0
 WORKER_READY_AFTER_S = 60.0
 WORKER_READY_LINE = b"worker ready"
+WORKER_STOP_GRACE_S = 30.0  # a worker finishing its batch at a stop, before SIGKILL
 
 
 def say(*args, **kwargs) -> None:
@@ -470,8 +471,11 @@ class Stack:
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        # One grace for them all, as they were told together: N stuck workers
+        # must not hold the first Ctrl-C for N graces.
+        deadline = time.monotonic() + WORKER_STOP_GRACE_S
         for name in workers:
-            self.stop_process(name)
+            self.stop_process(name, timeout_s=max(0.0, deadline - time.monotonic()))
         self.stop_process("api")
         self.stop_process("emulator", timeout_s=10)
         self.stop_process("sqs", timeout_s=15)

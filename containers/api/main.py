@@ -9,6 +9,7 @@ from uvicorn.config import LOG_LEVELS
 from sluice.api.app import create_app
 from sluice.bootstrap import ensure_resources_on_start
 from sluice.settings import Settings, SettingsError
+from sluice.starting import stop_at_once_until_ready
 
 
 # What logging takes and uvicorn names otherwise (the workers share the variable).
@@ -23,6 +24,7 @@ def log_level() -> str | None:
 
 
 if __name__ == "__main__":
+    stop_at_once_until_ready()  # until uvicorn installs its own handlers
     level = log_level()
     if level is None:  # one line, not uvicorn's KeyError traceback
         print(f"api: refused settings: SLUICE_LOG_LEVEL={os.environ['SLUICE_LOG_LEVEL']!r}: should be one of "

@@ -79,6 +79,7 @@ from sluice.contract import (
 )
 from sluice.isolation import BROKEN_AFTER, MODEL_ERROR, BrokenModelWatch, run_isolating
 from sluice.settings import Settings, SettingsError, log_level
+from sluice.starting import stop_at_once_until_ready
 
 
 log = logging.getLogger("sluice.sagemaker")
@@ -139,6 +140,23 @@ class Endpoint:
         self._locks = {name: threading.Lock() for name in models}
         self.broken = False  # for good: /ping and invocations answer 503 until SageMaker replaces the instance
         self._watch = BrokenModelWatch()  # the EKS worker's rule (sluice.isolation)
+        self._in_flight = 0  # invocations read and not yet answered
+        self._idle = threading.Condition()
+
+    def began(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def answered(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> int:
+        """Waits until no invocation is in flight, or timeout_s; returns how many still are."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
+            return self._in_flight
 
     def invoke(self, body: bytes, content_type: str | None,
                give_up_at: float | None = None) -> EndpointResult | EndpointTasksReply:
@@ -314,7 +332,14 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True  # the unread body must not be parsed as the next request
                 return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "payload_too_large",
                                    f"request body is over {endpoint.max_payload_bytes} bytes")
-            body = self.rfile.read(int(length))
+            endpoint.began()
+            try:
+                self._invocation(arrived, int(length))
+            finally:
+                endpoint.answered()
+
+        def _invocation(self, arrived: float, length: int):
+            body = self.rfile.read(length)
             try:
                 reply = endpoint.invoke(body, self.headers.get("Content-Type"),
                                         give_up_at(arrived, self.headers.get(CUSTOM_ATTRIBUTES)))
@@ -368,7 +393,22 @@ def load_endpoint(settings: Settings) -> Endpoint:
                     max_batch_size=settings.max_batch_size)
 
 
+# At SIGTERM, how long invocations in flight get to finish and be answered: a
+# call cut off would be an attempt spent of every task in it.
+STOP_GRACE_S = SAGEMAKER_INVOCATION_TIMEOUT_S
+
+
+def stop_serving(server: ThreadingHTTPServer, endpoint: Endpoint, grace_s: float = STOP_GRACE_S) -> None:
+    """Stops taking calls, then waits for those in flight to be answered (their
+    handler threads are daemons, which the interpreter's exit would cut off)."""
+    server.shutdown()
+    left = endpoint.wait_idle(grace_s)
+    if left:
+        log.warning("stopping with %d invocations still running after %.0f s", left, grace_s)
+
+
 def main() -> int:
+    stop_at_once_until_ready()  # PID 1 in a container: a SIGTERM without a handler is dropped
     try:
         level = log_level()  # `debug` as well as `DEBUG`, as the worker takes it
     except SettingsError as exc:  # before logging exists: one line, no traceback
@@ -388,10 +428,14 @@ def main() -> int:
     # SageMaker requires 0.0.0.0:8080; multi-container endpoints pass the port.
     server = make_server(endpoint, "0.0.0.0", int(os.environ.get("SAGEMAKER_BIND_TO_PORT", "8080")))
     # shutdown() blocks until serve_forever() returns, so it runs off the signal handler's thread.
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    stopping = threading.Thread(target=stop_serving, args=(server, endpoint), name="sluice-stop")
+    signal.signal(signal.SIGTERM, lambda *_: stopping.start() if stopping.ident is None else None)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log.info("serving %s on port %d", ", ".join(endpoint.models), server.server_address[1])
     try:
         server.serve_forever()
+        if stopping.ident is not None:
+            stopping.join()  # the calls in flight answered
     except KeyboardInterrupt:
         pass
     finally:

@@ -30,6 +30,7 @@ from sluice.bootstrap import bootstraps_on_start, ensure_resources_on_start
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
 from sluice.settings import Settings, SettingsError, log_level
+from sluice.starting import stop_at_once_until_ready
 from sluice.worker.batcher import PrefetchBuffer
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.policy import WeightedPriorityPolicy
@@ -272,6 +273,7 @@ class Worker:
 
 
 def main() -> int:
+    stop_at_once_until_ready()  # PID 1 in a container: a SIGTERM without a handler is dropped
     try:
         level = log_level()
     except SettingsError as exc:  # before logging exists: one line, no traceback

@@ -445,3 +445,25 @@ def test_a_worker_that_became_ready_before_exiting_is_always_restarted(tmp_path,
     assert code == 0 and len(stack.starts) == 6  # past the limit: each exit came after a ready line
     out = capsys.readouterr().out
     assert out.count("restarting it in 0.05s") == 5 and "restarting it in 0.1s" not in out  # no growing delay
+
+
+def test_workers_stuck_at_a_stop_share_one_grace_not_one_each(tmp_path, monkeypatch):
+    # Told together, waited for together: four workers that ignore SIGTERM
+    # held the first Ctrl-C for four graces, one after the other.
+    monkeypatch.setattr(embedded, "WORKER_STOP_GRACE_S", 2.0)
+    stuck = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "print('worker ready', flush=True); time.sleep(60)")
+    stack = ExitingWorkers(tmp_path, stuck)
+    for i in range(4):
+        stack.start_worker(i)
+    deadline = time.monotonic() + 30
+    logs = [tmp_path / f"worker-{i}.log" for i in range(4)]
+    # Each has its handler in place before the stop.
+    while not all(log.exists() and "worker ready" in log.read_text() for log in logs):
+        assert time.monotonic() < deadline, "the stuck workers never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    stack.stop()
+    took = time.monotonic() - started
+    assert all(proc.poll() is not None for proc in stack.procs.values())
+    assert took < 2 * embedded.WORKER_STOP_GRACE_S, took  # one grace (2 s), not four (8 s)

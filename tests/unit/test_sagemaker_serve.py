@@ -267,6 +267,36 @@ def test_ping_answers_while_a_batch_is_running(server):
     assert result["r"][0] == 200
 
 
+def test_a_stop_answers_the_invocations_in_flight_before_the_process_exits():
+    # The handler threads are daemons: at exit they were cut off mid-call, each
+    # task of the call an attempt spent, its caller seeing the connection drop.
+    model = Recording()
+    endpoint = serve.Endpoint({"echo": model}, default_model="echo")
+    srv = serve.make_server(endpoint, "127.0.0.1", 0)
+    serving = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    serving.start()
+    model.gate.clear()
+    result = {}
+    caller = threading.Thread(target=lambda: result.update(r=call(srv.server_address[1], "POST", "/invocations",
+                                                                  {"inputs": ["slow"]})))
+    caller.start()
+    try:
+        assert model.entered.wait(10)
+        assert endpoint.wait_idle(0.05) == 1  # bounded: the call is still running
+        stopping = threading.Thread(target=serve.stop_serving, args=(srv, endpoint, 10))
+        stopping.start()
+        serving.join(10)
+        assert not serving.is_alive()  # no new calls are taken
+        assert stopping.is_alive()  # but the one in flight is waited for
+        model.gate.set()
+        stopping.join(10)
+        caller.join(10)
+        assert not stopping.is_alive() and result["r"][0] == 200 and result["r"][1]["result"], result
+    finally:
+        model.gate.set()
+        srv.server_close()
+
+
 def tasks_of(*inputs):
     return {"tasks": [{"task_id": f"t{i}", "inputs": [text]} for i, text in enumerate(inputs)]}
 

@@ -140,6 +140,33 @@ def test_a_worker_with_a_refused_setting_exits_2_before_loading_a_model(monkeypa
     assert "SLUICE_MAX_BATCH_SIZE='0': Input should be greater than or equal to 1" in caplog.text
 
 
+def test_a_worker_stopped_while_it_starts_exits_before_loading_a_model(monkeypatch):
+    # In a container the worker is PID 1, and the kernel drops a SIGTERM that
+    # PID 1 has no handler for: a stop during the bootstrap was lost, and the
+    # worker went on to receive messages until the grace period's SIGKILL.
+    import os
+    import signal
+
+    from sluice.worker import main as worker_main
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def stopped_while_bootstrapping(settings):
+        # Sent only where a handler would take it: the default would end this test's process.
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(worker_main, "ensure_resources_on_start", stopped_while_bootstrapping)
+    monkeypatch.setattr("models.registry.load_models", lambda *a: pytest.fail("went on to load the models"))
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            worker_main.main()
+        assert stopped.value.code == 0
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def test_an_unknown_model_is_named_beside_the_catalogue(monkeypatch):
     monkeypatch.setenv("SLUICE_MODELS", "minilm,synthetic,synth")
     with pytest.raises(SettingsError) as refused:
