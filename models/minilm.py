@@ -52,7 +52,8 @@ class MiniLMEmbed:
     def __init__(self, device: str | None = None, dtype: str | None = None):
         self.device = pick_device(device or os.environ.get("SLUICE_DEVICE", "auto"))
         # bf16 by default, the GPU's choice; on CPUs it ranged from 1.7x faster
-        # than fp32 to 1.6x slower (docs/benchmarks.md), with cosine >= 0.9999.
+        # than fp32 to 1.6x slower (docs/benchmarks.md), with cosine >= 0.9998 (0.99986
+        # for a one-character input, 0.99993 or more for sentences).
         name = dtype or os.environ.get("SLUICE_MINILM_DTYPE", "bf16")
         dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
         if name not in dtypes:
