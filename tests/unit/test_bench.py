@@ -19,6 +19,20 @@ from bench import gpu  # noqa: E402
 from bench.worker import inference_ms, profile_summary, raw  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def the_process_as_it_was():
+    """The suite's main() drops the SLUICE_* settings it inherits and takes
+    SIGTERM, as the suite's own process should; in pytest's, the tests after
+    these need both as they were (SLUICE_SYNTHETIC_FAULTS among them)."""
+    import signal
+
+    environ, handler = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def test_flops_per_sentence_matches_the_models_own_encoder_weights():
     """The per-token count must be twice the encoder's matmul weights (one
     multiply-add each), counted here from the weights file itself."""
