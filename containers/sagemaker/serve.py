@@ -45,6 +45,9 @@ code is `caller_gone` (CALLER_GONE): no one would read its answer, and running i
 would make the calls queued behind it wait longer still and time out too. A
 caller that left before its answer is logged, not an error of the model.
 
+At SIGTERM the server stops taking calls and answers those in flight (up to
+STOP_GRACE_S) before it exits.
+
 Standard-library HTTP on purpose: the worker image has torch but no web framework.
 The server is threaded so /ping keeps answering while a long batch runs; the
 model itself runs one batch at a time behind a lock.
