@@ -6,7 +6,8 @@ latency (its p99 at one client). So a queue's depth is the one last read plus
 what this process sent since, and a reading older than `max_age_s` is renewed
 in the background while the older figure answers. Near the cap the depth is
 read inline instead, so that the cap is overshot by the submits in flight at
-once, not by a second's worth. A reading older than `stale_s` (the API sat
+once, not by a second's worth (plus, on AWS, what SQS has not counted yet: its
+count is eventually consistent; docs/reliability.md). A reading older than `stale_s` (the API sat
 idle) is read inline too: it would give a queue position from long ago.
 
 Successive readings also measure how fast the workers take tasks off each
