@@ -123,13 +123,16 @@ class BodyLimit:
     A declared Content-Length over the limit is refused unread; a body without
     one (chunked) is read up to the limit and refused as soon as it passes it.
     The body is then handed to the app from memory: an exception raised inside
-    the app's own read would surface as the framework's 400, not a 413."""
+    the app's own read would surface as the framework's 400, not a 413. Only
+    under /v1/, where the routes that take bodies are (and where the key was
+    checked first): elsewhere (/health, an unknown path) nothing reads a body,
+    and buffering one would hold a megabyte for a request with no key at all."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:

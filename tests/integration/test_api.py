@@ -581,3 +581,36 @@ def test_a_long_poll_stops_reading_once_its_client_has_gone(settings, entered_wa
         assert task_id not in entered_waiters[-1]._waiting  # nothing left to read for it
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/health"), ("PUT", "/anything")])
+def test_a_body_sent_where_no_route_takes_one_is_not_read(settings, method, path):
+    # Outside /v1/ no key is asked: buffering the body there held up to 1 MiB
+    # for a client that trickled it and stalled, before any answer.
+    import asyncio
+
+    from sluice.api.app import create_app
+
+    app = create_app(settings)
+
+    async def scenario():
+        sent, chunks_read = [], []
+
+        async def receive():
+            if len(chunks_read) < 15:
+                chunks_read.append(1)
+                return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+            await asyncio.Event().wait()  # the client stalls, its body unfinished
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+                 "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+                 "headers": [(b"host", b"sluice"), (b"content-type", b"application/json")]}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent[0]["status"], len(chunks_read)
+
+    status, read = asyncio.run(scenario())
+    assert status in (404, 405) and read <= 1, (status, read)
