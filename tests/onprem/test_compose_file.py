@@ -284,3 +284,11 @@ def test_workers_get_the_grace_period_kubernetes_gives_them():
     services = load(REQUIRED)["services"]
     for name in WORKERS:
         assert seconds(services[name]["stop_grace_period"]) == grace, name
+
+
+def test_the_api_limits_each_key_s_rate_as_make_run_does():
+    # Compose's API serves other machines: with the limit off, one key could
+    # take every request the API and its emulators can answer.
+    for values in (REQUIRED, {**env_example(), **REQUIRED}):
+        api = load(values)["services"]["api"]
+        assert float(api["environment"]["SLUICE_RATE_LIMIT_PER_S"]) == 100, values
