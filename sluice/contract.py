@@ -122,6 +122,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def deadline_passed(deadline_at: int | None, now: int) -> bool:
+    """Whether a task's deadline (epoch ms; None: it has none) has passed at
+    `now`: the one rule the API, the workers and the dispatcher expire by."""
+    return deadline_at is not None and deadline_at <= now
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
@@ -290,7 +296,7 @@ class TaskMessage(_Strict):
     def past_deadline(self, now: int) -> bool:
         """Whether its task's deadline has passed at `now` (ms): a claim then
         expires it, and so does an outcome that comes after it."""
-        return self.deadline_at is not None and self.deadline_at <= now
+        return deadline_passed(self.deadline_at, now)
 
 
 class TaskRecord(BaseModel):
@@ -325,6 +331,10 @@ class TaskRecord(BaseModel):
     # When a retry of an idempotent submit last re-sent the task's message
     # (epoch ms): retries within RESEND_INTERVAL_S send no more. Internal too.
     resent_at: int | None = None
+
+    def overdue(self, now: int) -> bool:
+        """Still `queued` past its deadline: it will never run, and a read of it expires it."""
+        return self.status == TaskStatus.queued and deadline_passed(self.deadline_at, now)
 
     def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
         queue_ms = self.started_at - self.created_at if self.started_at else None

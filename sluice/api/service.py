@@ -622,7 +622,7 @@ class TaskService:
         # Another tenant's task answers exactly like a missing one.
         if record is None or record.tenant_id != tenant_id:
             raise not_found(task_id)
-        if record.status == TaskStatus.queued and record.deadline_at is not None and record.deadline_at <= now_ms():
+        if record.overdue(now_ms()):
             # Past its deadline without an outcome: a result now is no longer
             # wanted, so it says so at once rather than when a worker gets to it.
             try:

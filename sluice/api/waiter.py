@@ -23,7 +23,7 @@ import asyncio
 from dataclasses import dataclass
 
 from sluice.adapters.task_store import TaskStore
-from sluice.contract import TaskRecord, TaskStatus, now_ms
+from sluice.contract import TaskRecord, now_ms
 
 # (from this long into a wait, read the task every this many seconds); None: every round.
 READ_SCHEDULE: tuple[tuple[float, float | None], ...] = ((0.0, None), (2.0, 0.25), (5.0, 1.0))
@@ -122,9 +122,7 @@ class CompletionWaiter:
                 record = records.get(task_id)
                 # A queued task past its deadline will never run: wake its
                 # waiters too, and the route's GET marks it expired.
-                final = record is not None and (record.status.is_terminal or (
-                    record.status == TaskStatus.queued and record.deadline_at is not None
-                    and record.deadline_at <= now))
+                final = record is not None and (record.status.is_terminal or record.overdue(now))
                 for w in self._waiting.get(task_id, []):
                     w.last = record
                     w.due = self._next(w, started)
