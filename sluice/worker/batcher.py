@@ -108,9 +108,13 @@ class PrefetchBuffer:
                 batch.append(message)
             self._deferred = None
             passed: set[Priority] = set()  # their head task does not fit in this batch
-            while True:
+
+            def is_full() -> bool:
                 # A message that runs alone never joins a batch begun: only the first can.
-                full = inputs >= max_inputs or (bool(batch) and runs_alone(batch[0]))
+                return inputs >= max_inputs or (bool(batch) and runs_alone(batch[0]))
+
+            while True:
+                full = is_full()
                 while not full and (ready := [p for p in self._ready() if p not in passed]):
                     priority = policy.pick(ready, cost=lambda p: self._queues[p][0][1])  # in inputs
                     message, n = self._queues[priority][0]
@@ -126,7 +130,7 @@ class PrefetchBuffer:
                     self._queues[priority].popleft()
                     batch.append(message)
                     inputs += n
-                    full = inputs >= max_inputs or runs_alone(batch[0])
+                    full = is_full()
                 self._cond.notify_all()  # receivers may have room again
                 remaining = deadline - time.monotonic()
                 if full or remaining <= 0 or self.closed or len(passed) == len(Priority):
