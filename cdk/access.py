@@ -64,6 +64,12 @@ SETTLE_DLQS = [
     "sqs:ChangeMessageVisibility",
 ]
 
+# Failing a task whose message SQS would not dead-letter (a requeued task's,
+# below maxReceiveCount): the EKS worker and the SageMaker dispatcher send it
+# to its DLQ, found from its queue's redrive policy (GetQueueAttributes, which
+# both have on the queues), then delete it from its queue.
+DEAD_LETTER_DLQS = ["sqs:GetQueueUrl", "sqs:SendMessage"]
+
 # Batch calls are authorized as their single-message action.
 _SQS_BATCH = {
     "SendMessageBatch": "SendMessage",

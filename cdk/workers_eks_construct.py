@@ -122,7 +122,7 @@ class EksWorkers(Construct):
         self.oidc = eks.OidcProviderNative(self, "Oidc", url=cluster.cluster_open_id_connect_issuer_url)
         self.worker_role = self._irsa_role("WorkerRole", NAMESPACE, WORKER)
         queues.grant(self.worker_role, sorted(set(access.WORKER_QUEUES + access.SETTLE_QUEUES)))
-        queues.grant_dlqs(self.worker_role, access.SETTLE_DLQS)
+        queues.grant_dlqs(self.worker_role, sorted(set(access.SETTLE_DLQS + access.DEAD_LETTER_DLQS)))
         storage.grant_tasks(self.worker_role, sorted(set(access.WORKER_TASKS + access.SETTLE_TASKS)))
         storage.grant_inputs(self.worker_role, access.WORKER_INPUTS)
         storage.grant_results(self.worker_role, access.WORKER_RESULTS)

@@ -166,9 +166,11 @@ class SageMakerWorkers(Construct):
                 "SLUICE_MODELS": config.models,
                 # Its metrics' deployment dimension, as the dashboard reads them.
                 "SLUICE_QUEUE_PREFIX": config.name_prefix,
+                **queues.env(),
             },
         )
         fn = self.dispatcher.function
+        queues.grant_dlqs(fn, access.DEAD_LETTER_DLQS)
         storage.grant_tasks(fn, access.WORKER_TASKS)
         storage.grant_inputs(fn, access.WORKER_INPUTS)
         storage.grant_results(fn, access.WORKER_RESULTS)

@@ -283,6 +283,10 @@ class TaskMessage(_Strict):
     deadline_at: int | None = None
     enqueued_at: int = Field(description="Its task record's created_at: a claim holds the message to that "
                                          "record, not a later task's under the same id (sluice.lifecycle).")
+    runs_before: int | None = Field(
+        default=None, ge=1,
+        description="Runs of the task before this message was sent: set by dead-letter settling when it "
+                    "requeues a task, whose new message SQS counts from 1 again (sluice.dlq).")
 
     @model_validator(mode="after")
     def _inputs_inline_xor_by_key(self) -> TaskMessage:

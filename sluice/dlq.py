@@ -29,9 +29,9 @@ import random
 import threading
 import time
 
-from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.queues import PriorityQueues, message_body
 from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
-from sluice.contract import Priority, TaskRecord, TaskStatus, now_ms
+from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus, now_ms
 
 log = logging.getLogger("sluice.dlq")
 
@@ -96,9 +96,7 @@ def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]
     hidden: the caller shows them again."""
     left: list[dict] = []
     for chunk in _batches(messages):
-        response = queues.sqs.send_message_batch(
-            QueueUrl=target, Entries=[{"Id": str(i), "MessageBody": m["Body"]} for i, m in enumerate(chunk)])
-        stored = {int(e["Id"]) for e in response.get("Successful", [])}
+        stored = queues.send_bodies(target, [m["Body"] for m in chunk])
         left += [m for i, m in enumerate(chunk) if i not in stored]
         if stored:
             queues.sqs.delete_message_batch(QueueUrl=source, Entries=[
@@ -192,7 +190,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue
-    with a fresh receive count. Messages of final tasks stay for operators.
+    as a new message, which SQS counts from 1 again: it carries the task's
+    runs so far (`runs_before`), so that the task still runs at most
+    `max_attempts` times (sluice.lifecycle). Messages of final tasks stay for operators.
 
     Per priority, a round settles up to `limit` messages and looks at up to
     `scan` (those it keeps included): it receives until the queue yields
@@ -242,7 +242,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                         keep.append(m)
                         counts["failed"] += _fail_dead_lettered(store, record)
                     else:
-                        requeue.append(m)
+                        requeue.append({**m, "Body": _counting_runs(m["Body"], _runs(record))})
                 left = _move(queues, dlq, queues.url(priority), requeue)
                 keep += left
                 counts["requeued"] += len(requeue) - len(left)
@@ -269,6 +269,16 @@ def _runs(record: TaskRecord) -> int:
     start adds one. Without one, only redeliveries recorded their start: the
     first delivery's is missing."""
     return record.attempts if record.error_code else record.attempts + 1
+
+
+def _counting_runs(body: str, runs: int) -> str:
+    """The body of a requeued task's new message: it carries the runs so far,
+    which SQS's receive count restarts from 1 without (sluice.lifecycle)."""
+    try:
+        message = TaskMessage.model_validate_json(body)
+    except ValueError:  # not a task: a worker drops it all the same
+        return body
+    return message_body(message.model_copy(update={"runs_before": runs if runs >= 1 else None}))
 
 
 def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:

@@ -12,7 +12,11 @@ was rolled back) or a final one (a duplicate, a cancel) is acknowledged without
 running. So is a message of an earlier task under the same id (its
 Idempotency-Key's task outlived its TTL and the key made a new one): every
 claim and expiry holds a message to the record created when it was (its
-`enqueued_at` is the record's `created_at`). A redelivery means an earlier attempt ended without an outcome (a
+`enqueued_at` is the record's `created_at`). A run's number (Job.attempts) is
+its message's receive count plus the runs before that message was sent: a task
+that dead-letter settling requeued gets a new message, whose receives SQS
+counts from 1 again, carrying its runs so far (`runs_before`, sluice.dlq).
+A redelivery, or the first delivery of such a message, means an earlier attempt ended without an outcome (a
 worker died, a reply was lost), so its start is recorded: a conditional update
 (`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
 task that keeps killing its worker from one that was only handed back. So a
@@ -37,8 +41,10 @@ back only where the write was throttled (`task_store.throttled`): any other erro
 have landed, or will fail every delivery alike, so the start stands and the
 task reaches max_attempts rather than run for ever. A failure
 keeps the task `queued` with its last error while attempts remain, and marks it
-`failed` once the message's receive count reaches max_attempts; that message's
-next receive then moves it to the dead-letter queue. A permanent failure (an
+`failed` once its run's number reaches max_attempts. Its message then goes to
+the dead-letter queue: SQS moves it at its next receive once its receive count
+reached maxReceiveCount (max_attempts); a requeued task's message, below that,
+is sent there by the worker. A permanent failure (an
 inputs object that does not exist or is not a JSON list of strings, or an input
 the model refuses) is marked `failed` at once: no other attempt could succeed.
 A final outcome renews the record's TTL (`expires_at`, set by the task store
@@ -89,7 +95,9 @@ class Job:
 
     @property
     def attempts(self) -> int:
-        return max(d.receive_count for d in self.deliveries)
+        """This run's number: the task's runs before its message was sent
+        (settling's requeue, sluice.dlq) and the message's receives."""
+        return (self.message.runs_before or 0) + max(d.receive_count for d in self.deliveries)
 
 
 def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
@@ -105,6 +113,8 @@ def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[An
         return job.deliveries if job is not None else []
     if message.enqueued_at < job.message.enqueued_at:
         return [delivery]
+    if (message.runs_before or 0) > (job.message.runs_before or 0):
+        job.message = message  # the same task, requeued: the one that counts its runs
     job.deliveries.append(delivery)
     return []
 

@@ -2,7 +2,8 @@
 
 The same task lifecycle as the EKS worker (sluice.lifecycle): check the batch's
 records, run, record each outcome with a conditional write, and let
-SQS redeliver what failed until maxReceiveCount moves it to the DLQ. The only
+SQS redeliver what failed until maxReceiveCount moves it to the DLQ (a
+requeued task failed below that is sent there, sluice.lifecycle). The only
 differences: Lambda deletes the messages it is told succeeded, and the model
 runs behind an endpoint.
 
@@ -43,6 +44,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 from pydantic import ValidationError
 
 from sluice.adapters.payload_store import PayloadStore
+from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import (
     MAX_INPUTS_PER_CALL,
@@ -122,6 +124,7 @@ class Dispatcher:
         self.store = TaskStore(settings)
         self.payloads = PayloadStore(settings)
         self.metrics = metrics
+        self._queues: PriorityQueues | None = None
         # Concurrent invocations spread one SQS batch over the endpoint's instances.
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sluice-dispatch")
 
@@ -277,12 +280,15 @@ class Dispatcher:
         written = record_outcomes(self.store, self.payloads, plan, self.pool)
         rejected = written.rejected
         # Failed for good or not: SQS redelivers, and after maxReceiveCount the
-        # message of a task marked failed lands in the dead-letter queue.
+        # message of a task marked failed lands in the dead-letter queue; one
+        # that would not reach maxReceiveCount is sent there now.
         # plan.unrunnable (inputs unreadable or refused by the model) and
         # plan.expired (past the deadline) are final at once: acknowledged.
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
+        for message_id in self._dead_letter([o.job for o in plan.failed if o.job.message.task_id not in rejected]):
+            del retry[message_id]  # Lambda deletes it from its queue
         if plan.unwritten:
             # Outcomes the table would not take: each its own task's, never the
             # batch's, whose written outcomes stand; a throttled one's start is
@@ -297,6 +303,33 @@ class Dispatcher:
                 self.metrics.record_handed_back(len(plan.unwritten))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
             self.metrics.record_outcomes(plan.counted(), now, plan.dropped(rejected))
+
+    def _dead_letter(self, failed: list[Job]) -> set[str]:
+        """Send to its DLQ each message of a failed task that SQS would not
+        move there: one below maxReceiveCount (max_attempts), a requeued
+        task's (sluice.dlq). Returns the ids of those sent. One that could not
+        be sent is redelivered as any failed one, and its next receive
+        acknowledges it (its task is final): only the dead letter is missing."""
+        sent: set[str] = set()
+        for priority in {job.message.priority for job in failed}:
+            below = [d for job in failed if job.message.priority == priority for d in job.deliveries
+                     if d.receive_count < self.settings.max_attempts]
+            if not below:
+                continue
+            try:
+                stored = self.queues.send_bodies(self.queues.dlq_url(priority), [d.body for d in below])
+            except Exception as exc:  # noqa: BLE001 - the tasks' outcomes are written: they stand
+                log.warning(f"could not dead-letter {len(below)} failed tasks' messages: {_describe(exc)}")
+                continue
+            sent |= {below[i].message_id for i in stored}
+        return sent
+
+    @property
+    def queues(self) -> PriorityQueues:
+        """Made on first use: only a failed task's message needs it."""
+        if self._queues is None:
+            self._queues = PriorityQueues(self.settings)
+        return self._queues
 
     @staticmethod
     def _retry(retry: dict[str, str], job: Job, reason: str) -> None:

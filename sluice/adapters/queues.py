@@ -124,6 +124,34 @@ class PriorityQueues:
         if failed:
             raise SendFailed(failed)
 
+    def send_bodies(self, url: str, bodies: list[str]) -> set[int]:
+        """SendMessageBatch of these bodies as they are; returns the indexes
+        SQS stored (it reports the others in `Failed` without raising)."""
+        stored: set[int] = set()
+        for i in range(0, len(bodies), _SQS_BATCH):
+            response = self.sqs.send_message_batch(QueueUrl=url, Entries=[
+                {"Id": str(j), "MessageBody": body} for j, body in enumerate(bodies[i : i + _SQS_BATCH])])
+            stored |= {i + int(e["Id"]) for e in response.get("Successful", [])}
+        return stored
+
+    def dead_letter(self, messages: list[Received]) -> None:
+        """Move messages to their priority's dead-letter queue now, as SQS
+        does after maxReceiveCount receives: for a failed task whose message
+        is newer than its runs (requeued by settling, sluice.dlq), which SQS
+        would not move. Sent first, then deleted: a failure in between leaves
+        a duplicate dead letter rather than none. Raises when any was not sent
+        (it comes back, and its next receive acknowledges it: its task is final)."""
+        by_priority: dict[Priority, list[Received]] = defaultdict(list)
+        for m in messages:
+            by_priority[m.priority].append(m)
+        unsent: list[str] = []
+        for priority, group in by_priority.items():
+            stored = self.send_bodies(self.dlq_url(priority), [m.body for m in group])
+            unsent += [m.task().task_id for i, m in enumerate(group) if i not in stored]
+            self.delete_many([m for i, m in enumerate(group) if i in stored])
+        if unsent:
+            raise SendFailed(unsent)
+
     # --------------------------------------------------------------- receive
     def receive(self, priority: Priority, max_messages: int, wait_s: int, visibility_s: int) -> list[Received]:
         response = self.poller.receive_message(

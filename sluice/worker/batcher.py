@@ -28,7 +28,16 @@ from sluice.worker.policy import WeightedPriorityPolicy
 
 
 def runs_alone(message: Received) -> bool:
-    return message.receive_count > 1
+    """A redelivery, or the first delivery of a task requeued after runs
+    without an outcome (sluice.dlq): as suspect as any redelivery."""
+    if message.receive_count > 1:
+        return True
+    if '"runs_before"' not in message.body:  # most messages: no parse on the batcher's hot path
+        return False
+    try:
+        return bool(message.task().runs_before)
+    except Exception:  # not a task: the runner drops it
+        return False
 
 
 def input_count(message: Received) -> int:

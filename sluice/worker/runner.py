@@ -205,20 +205,26 @@ class BatchRunner:
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
-        to_dlq = [d for o in failed for d in o.job.deliveries]
+        # SQS dead-letters a message at its next receive once its receive count
+        # reached maxReceiveCount (max_attempts); a requeued task's newer
+        # message fails below that, and is moved now.
+        dlq_by_sqs = [d for o in failed for d in o.job.deliveries if d.receive_count >= self.settings.max_attempts]
+        dlq_now = [d for o in failed for d in o.job.deliveries if d.receive_count < self.settings.max_attempts]
         to_retry = [d for o in retry for d in o.job.deliveries]
         unwritten = [d for o in plan.unwritten for d in o.job.deliveries]
         if release:
-            release(done + to_dlq + to_retry + unwritten)
+            release(done + dlq_by_sqs + dlq_now + to_retry + unwritten)
         # Each step is made whatever the one before did (a failed delete comes
         # back and is acknowledged by its next receive); the first error is
         # raised after all of them.
         steps = []
         if done:
             steps.append(lambda: self.queues.delete_many(done))
-        if to_dlq:
+        if dlq_by_sqs:
             # Not deleted: visible at once, its next receive moves it to the DLQ.
-            steps.append(lambda: self.queues.change_visibility_many(to_dlq, 0))
+            steps.append(lambda: self.queues.change_visibility_many(dlq_by_sqs, 0))
+        if dlq_now:
+            steps.append(lambda: self.queues.dead_letter(dlq_now))
         if to_retry:
             steps.append(lambda: self.queues.change_visibility_many(to_retry, _backoff_s(retry)))
         if plan.unwritten:

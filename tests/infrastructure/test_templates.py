@@ -790,19 +790,21 @@ def test_each_principal_gets_exactly_its_data_actions(synth, backend):
         assert settler == settling
         dispatcher = role_actions(raw, function_role(raw, "lambdas.dispatcher.handler.handler"))
         # Plus what the SQS event source mapping needs to poll (granted by CDK).
-        assert worker_data <= dispatcher
-        assert dispatcher - worker_data <= {
+        assert worker_data | set(access.DEAD_LETTER_DLQS) <= dispatcher
+        assert dispatcher - worker_data - set(access.DEAD_LETTER_DLQS) <= {
             "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
             "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
         }
     else:
         consumers = [r for r in resources(raw, "AWS::IAM::Role") if "sqs:ReceiveMessage" in role_actions(raw, r)]
         (worker,) = consumers
-        assert role_actions(raw, worker) == worker_data | set(access.WORKER_QUEUES) | settling
+        assert role_actions(raw, worker) == (worker_data | set(access.WORKER_QUEUES) | settling
+                                             | set(access.DEAD_LETTER_DLQS))
 
 
-def test_only_settling_reaches_the_dead_letter_queues(synth, backend):
-    """The DLQs' actions go to the DLQs alone, and only settlers get any."""
+def test_only_settling_and_dead_lettering_reach_the_dead_letter_queues(synth, backend):
+    """The DLQs' actions go to the DLQs alone, and only settlers and the
+    workers that fail tasks (sending a message SQS would not move) get any."""
     from cdk import access
 
     raw = synth.raw[backend]
@@ -813,7 +815,7 @@ def test_only_settling_reaches_the_dead_letter_queues(synth, backend):
         if targets & dlqs:
             assert targets <= dlqs, statement
             on_dlqs |= set(as_list(statement["Action"]))
-    assert on_dlqs == set(access.SETTLE_DLQS)
+    assert on_dlqs == set(access.SETTLE_DLQS + access.DEAD_LETTER_DLQS)
 
 
 def test_the_sagemaker_backend_settles_on_a_schedule(synth):

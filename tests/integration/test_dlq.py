@@ -12,15 +12,17 @@ from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, redrive, settle_dead
+from tests.integration.test_worker_runner import messages_left, receive_all
 from tests.reliability.harness import wait_until
 
 
-def dead_letter(queues: PriorityQueues, store: TaskStore, task_id: str, status=TaskStatus.queued, **recorded) -> None:
+def dead_letter(queues: PriorityQueues, store: TaskStore, task_id: str, status=TaskStatus.queued, text: str = "x",
+                **recorded) -> None:
     """A task whose message is in the normal DLQ; `recorded`: what its attempts left on its record."""
     store.create(TaskRecord(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal,
                             status=status, input_count=1, created_at=0, **recorded))
     body = TaskMessage(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal, input_count=1,
-                       inputs=["x"], enqueued_at=0).model_dump_json(exclude_none=True)
+                       inputs=[text], enqueued_at=0).model_dump_json(exclude_none=True)
     queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=body)
 
 
@@ -47,6 +49,37 @@ def test_a_task_that_ran_fewer_times_than_allowed_is_requeued(settings):
     dead_letter(queues, store, "ran-twice", attempts=2, error_code="model_error", error_message="RuntimeError: boom")
     assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 1}
     assert store.get("ran-twice").status is TaskStatus.queued
+
+
+@pytest.mark.parametrize("recorded, runs_left", [
+    # Ran twice (two model errors); its third receive ended unrun.
+    ({"attempts": 2, "error_code": "model_error", "error_message": "RuntimeError: boom"}, 1),
+    # Ran once (killed its worker: the first delivery's start is not recorded);
+    # its second and third receives ended unrun, their starts taken back.
+    ({"attempts": 0}, 2),
+])
+def test_a_requeued_task_runs_only_the_attempts_it_has_left(settings, runner, recorded, runs_left):
+    # Requeued, its message is new and SQS counts its receives from 1 again:
+    # the runs before count all the same, and its last run's failure is
+    # dead-lettered at once, where SQS's maxReceiveCount would not move it.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "requeued", text="x !crash", **recorded)
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 1}
+    for run in range(settings.max_attempts - runs_left + 1, settings.max_attempts + 1):
+        [delivery] = receive_all(settings, 1)
+        prepared = runner.prepare([delivery])
+        assert len(prepared.jobs) == 1
+        runner.finish(prepared, runner.infer(prepared.jobs))
+        record = store.get("requeued")
+        assert (record.attempts, record.error_code) == (run, "model_error")
+        if run < settings.max_attempts:
+            assert record.status is TaskStatus.queued
+            queues.sqs.change_message_visibility(QueueUrl=queues.url(Priority.normal),
+                                                 ReceiptHandle=delivery.receipt_handle, VisibilityTimeout=0)
+    assert record.status is TaskStatus.failed
+    assert messages_left(settings) == 0
+    [dead] = list_dead(queues, [Priority.normal])
+    assert dead["task_id"] == "requeued"
 
 
 class ShortPollsAnswerEmpty:

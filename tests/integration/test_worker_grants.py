@@ -66,7 +66,7 @@ def test_a_running_worker_stays_within_the_eks_worker_role(settings, aws_calls):
     assert not thread.is_alive()
 
     granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_RESULTS + access.WORKER_QUEUES
-                  + access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS)
+                  + access.SETTLE_TASKS + access.SETTLE_QUEUES + access.SETTLE_DLQS + access.DEAD_LETTER_DLQS)
     used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:SendMessage", "dynamodb:BatchGetItem",
             "dynamodb:UpdateItem", "s3:GetObject", "s3:PutObject"} <= used, used

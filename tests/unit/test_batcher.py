@@ -9,9 +9,11 @@ from sluice.worker.policy import WeightedPriorityPolicy
 WEIGHTS = {Priority.high: 6, Priority.normal: 3, Priority.low: 1}
 
 
-def message(priority: Priority, inputs: int = 1, n: int = 0, receive_count: int = 1) -> Received:
+def message(priority: Priority, inputs: int = 1, n: int = 0, receive_count: int = 1,
+            runs_before: int | None = None) -> Received:
     body = TaskMessage(task_id=f"{priority.value}-{n}", tenant_id="t", model="m", priority=priority,
-                       input_count=inputs, inputs=["x"] * inputs, enqueued_at=0).model_dump_json()
+                       input_count=inputs, inputs=["x"] * inputs, enqueued_at=0,
+                       runs_before=runs_before).model_dump_json(exclude_none=True)
     return Received(priority, f"id-{n}", f"rh-{priority.value}-{n}", body, receive_count, time.monotonic())
 
 
@@ -31,6 +33,15 @@ def test_redelivered_messages_run_each_in_a_batch_of_its_own():
                 message(Priority.normal, n=2, receive_count=2), message(Priority.normal, n=3),
                 message(Priority.normal, n=4)])
     assert batches(buffer) == [["normal-0"], ["normal-1"], ["normal-2"], ["normal-3", "normal-4"]]
+
+
+def test_a_task_requeued_by_settling_runs_alone_on_its_first_receive():
+    # Its message is new (receive count 1), but its task ran before without
+    # an outcome: as suspect as any redelivery (sluice.dlq.settle_dead).
+    buffer = PrefetchBuffer(100)
+    buffer.put([message(Priority.normal, n=0), message(Priority.normal, n=1, runs_before=1),
+                message(Priority.normal, n=2), message(Priority.normal, n=3)])
+    assert batches(buffer) == [["normal-0"], ["normal-1"], ["normal-2", "normal-3"]]
 
 
 def test_a_redelivery_at_the_head_of_one_priority_leaves_the_others_batched():

@@ -34,7 +34,7 @@ from sluice.adapters.task_store import TaskStore
 from sluice.api.service import TaskService
 from sluice.aws import new_client
 from sluice.contract import Priority, SubmitRequest, TaskStatus
-from sluice.dlq import settle_dead
+from sluice.dlq import list_dead, settle_dead
 from sluice.settings import Settings
 from tests.http_stub import serving
 
@@ -118,6 +118,9 @@ def dispatch(settings, runtime_url, monkeypatch):
         "SLUICE_TASKS_TABLE": settings.tasks_table,
         "SLUICE_BUCKET": settings.bucket,
         "SLUICE_MAX_ATTEMPTS": "3",
+        # As the stack sets them: the queues by URL, whose redrive policies name the DLQs.
+        "SLUICE_QUEUE_PREFIX": settings.queue_prefix,
+        **{f"SLUICE_QUEUE_URL_{p.value.upper()}": PriorityQueues(settings).url(p) for p in Priority},
         "SLUICE_MODELS": "synthetic",
         "POWERTOOLS_METRICS_NAMESPACE": "Sluice",
     }
@@ -261,6 +264,25 @@ def test_a_poison_input_fails_alone_and_reaches_failed_on_the_last_attempt(dispa
     assert failed_ids(dispatch(last)) == message_ids(last, bad)
     final = store.get(bad[0])
     assert final.status == TaskStatus.failed and final.attempts == 3 and final.finished_at
+
+
+def test_a_requeued_task_failing_below_max_receive_count_is_dead_lettered_at_once(dispatch, settings, aws_calls):
+    # Settling requeued it after two runs without an outcome: its new message
+    # is on its first receive, which SQS's maxReceiveCount would not dead-letter.
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["boom !crash"]})
+    event = sqs_event(settings, 1)
+    event["Records"][0]["body"] = json.dumps({**json.loads(event["Records"][0]["body"]), "runs_before": 2})
+    aws_calls.clear()
+    assert dispatch(event) == {"batchItemFailures": []}  # Lambda deletes it from its queue
+    used = {access.iam_action(service, op) for service, op in aws_calls}
+    final = TaskStore(settings).get(task_id)
+    assert (final.status, final.attempts, final.error_code) == (TaskStatus.failed, 3, "model_error")
+    [dead] = list_dead(PriorityQueues(settings), [Priority.normal])
+    assert dead["task_id"] == task_id
+    # The event source grants GetQueueAttributes on the queue; the DLQs get exactly DEAD_LETTER_DLQS.
+    granted = set(access.WORKER_TASKS + access.WORKER_OBJECTS + access.WORKER_RESULTS + access.DEAD_LETTER_DLQS
+                  + ["sqs:GetQueueAttributes", "sagemaker:InvokeEndpoint"])
+    assert "sqs:SendMessage" in used and used <= granted, used - granted
 
 
 def test_an_input_the_model_refuses_fails_at_once_and_is_acknowledged(dispatch, settings):
