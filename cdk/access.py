@@ -64,10 +64,11 @@ SETTLE_DLQS = [
     "sqs:ChangeMessageVisibility",
 ]
 
-# Failing a task whose message SQS would not dead-letter (a requeued task's,
-# below maxReceiveCount): the EKS worker and the SageMaker dispatcher send it
-# to its DLQ, found from its queue's redrive policy (GetQueueAttributes, which
-# both have on the queues), then delete it from its queue.
+# A task's message that SQS would not dead-letter (a requeued task's, failed
+# or past max_attempts below maxReceiveCount): the EKS worker and the SageMaker
+# dispatcher send it to its DLQ, found from its queue's redrive policy
+# (GetQueueAttributes, which both have on the queues). The worker then deletes
+# it from its queue; Lambda does for the dispatcher.
 DEAD_LETTER_DLQS = ["sqs:GetQueueUrl", "sqs:SendMessage"]
 
 # Batch calls are authorized as their single-message action.

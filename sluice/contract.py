@@ -340,6 +340,14 @@ class TaskRecord(BaseModel):
         """Still `queued` past its deadline: it will never run, and a read of it expires it."""
         return self.status == TaskStatus.queued and deadline_passed(self.deadline_at, now)
 
+    def runs(self) -> int:
+        """How often a queued task started, as its record tells once its first
+        delivery was received (sluice.lifecycle). An attempt that wrote an
+        error wrote its run's number, exact, and each later start adds one.
+        Without one, only redeliveries recorded their start: the first
+        delivery's is added, whether it ran or was handed back unrun."""
+        return self.attempts if self.error_code else self.attempts + 1
+
     def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
         queue_ms = self.started_at - self.created_at if self.started_at else None
         error = (

@@ -1,6 +1,7 @@
 """Dead-letter queues: inspection, redrive, and settling tasks left without an outcome.
 
-A message reaches a DLQ after max_attempts receives (its maxReceiveCount). A task whose last
+A message reaches a DLQ after max_attempts receives (its maxReceiveCount), or
+sooner when a requeued task's runs reach max_attempts (sluice.lifecycle). A task whose last
 attempt failed in the model is already `failed` when that happens. But every
 receive counts, including ones that ended without an outcome: a worker killed
 mid-batch, messages handed back on SIGTERM, a reply lost on the network. Such a
@@ -174,7 +175,10 @@ def max_receive_count(queues: PriorityQueues, priority: Priority) -> int | None:
 
 
 def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100) -> int:
-    """Move DLQ messages back to their source queue."""
+    """Move DLQ messages back to their source queue, as they are: SQS counts
+    their receives from 1 again, so a task not final yet gets runs anew (an
+    operator reruns tasks whose cause is fixed); settle_dead requeues with
+    the runs so far instead."""
     moved = 0
     for priority in priorities:
         dlq = queues.dlq_url(priority)
@@ -238,11 +242,11 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                         keep.append(m)
                         continue
                     settled += 1
-                    if _runs(record) >= max_attempts:
+                    if record.runs() >= max_attempts:
                         keep.append(m)
                         counts["failed"] += _fail_dead_lettered(store, record)
                     else:
-                        requeue.append({**m, "Body": _counting_runs(m["Body"], _runs(record))})
+                        requeue.append({**m, "Body": _counting_runs(m["Body"], record.runs())})
                 left = _move(queues, dlq, queues.url(priority), requeue)
                 keep += left
                 counts["requeued"] += len(requeue) - len(left)
@@ -263,14 +267,6 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     return counts
 
 
-def _runs(record: TaskRecord) -> int:
-    """How often a queued task started (sluice.lifecycle). An attempt that wrote
-    an outcome (a retried error) wrote the receive count: exact, and each later
-    start adds one. Without one, only redeliveries recorded their start: the
-    first delivery's is missing."""
-    return record.attempts if record.error_code else record.attempts + 1
-
-
 def _counting_runs(body: str, runs: int) -> str:
     """The body of a requeued task's new message: it carries the runs so far,
     which SQS's receive count restarts from 1 without (sluice.lifecycle)."""
@@ -283,7 +279,7 @@ def _counting_runs(body: str, runs: int) -> str:
 
 def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
     """1 if the task is now failed, 0 if it got an outcome meanwhile."""
-    runs = _runs(record)
+    runs = record.runs()
     # The failure replaces the task's last error: the message keeps it.
     why = (f"the last error recorded: {record.error_code}: {record.error_message}" if record.error_code
            else "the worker running it stopped each time")

@@ -16,6 +16,9 @@ claim and expiry holds a message to the record created when it was (its
 its message's receive count plus the runs before that message was sent: a task
 that dead-letter settling requeued gets a new message, whose receives SQS
 counts from 1 again, carrying its runs so far (`runs_before`, sluice.dlq).
+A job whose run's number would pass max_attempts is spent: not run, its
+message sent to the dead-letter queue, where settling fails or requeues the
+task by its record (its runs before ended without an outcome, none failed it).
 A redelivery, or the first delivery of such a message, means an earlier attempt ended without an outcome (a
 worker died, a reply was lost), so its start is recorded: a conditional update
 (`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
@@ -136,12 +139,19 @@ class Claim:
     runnable: list[Job] = field(default_factory=list)
     expired: list[Job] = field(default_factory=list)  # past the deadline: acknowledge
     gone: list[Job] = field(default_factory=list)  # missing or already final: acknowledge
+    # Past max_attempts, every run before it ended without an outcome: to the
+    # dead-letter queue unrun, where settling fails or requeues the task by its record.
+    spent: list[Job] = field(default_factory=list)
 
 
-def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
-    """Sort the jobs into runnable, expired and gone, recording each
+def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Claim:
+    """Sort the jobs into runnable, expired, gone and spent, recording each
     redelivery's start. Raises when a write or the read fails, having taken
-    back the starts it recorded: the batch goes back unrun."""
+    back the starts it recorded: the batch goes back unrun.
+
+    Spent: a requeued task's message (runs_before) is not dead-lettered by SQS
+    until its own receives reach maxReceiveCount, so a task whose runs kill
+    its worker (no outcome, no failure) would run past max_attempts."""
     result = Claim()
     expiries: list[Change] = []
     redelivered: list[Job] = []
@@ -151,6 +161,8 @@ def claim(store: TaskStore, jobs: list[Job], now: int) -> Claim:
         if job.message.past_deadline(now):
             expiries.append(expire(job.message.task_id, now, job.message.enqueued_at))
             result.expired.append(job)
+        elif job.attempts > max_attempts:
+            result.spent.append(job)
         elif job.attempts > 1:
             redelivered.append(job)
         else:

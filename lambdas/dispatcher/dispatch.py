@@ -57,7 +57,7 @@ from sluice.contract import (
     now_ms,
 )
 from sluice.lifecycle import (
-    INVALID_INPUT, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes, refused,
+    INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes, refused,
     unclaim, unclaim_unwritten,
 )
 from sluice.settings import Settings
@@ -83,6 +83,8 @@ _PERMANENT = {INVALID_INPUT, "validation_error"}
 # What a dispatch keeps, after the endpoint's longest answer (give_up_s), to
 # record the outcomes: uploads and conditional writes, each up to 3 tries of 4 s.
 RECORDING_RESERVE_S = 15.0
+# What dead-lettering needs left of the invocation: one SendMessageBatch's 3 tries of 4 s.
+DEAD_LETTER_RESERVE_S = 13.0
 
 
 class TurnedAway(Exception):
@@ -134,8 +136,10 @@ class Dispatcher:
         `time_left_s`: what is left of the invocation (the Lambda context's)."""
         retry: dict[str, str] = {}
         jobs = self._parse(deliveries)
+        claimed = claim(self.store, list(jobs.values()), now_ms(), self.settings.max_attempts) if jobs else Claim()
+        # Expired and gone (rolled back, duplicate, cancelled) tasks are simply acknowledged.
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
-        runnable, unreadable = load_inputs(self.payloads, self._claim(jobs), self.pool)
+        runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.pool)
         outcomes, turned_away = self._infer(runnable, time_left_s)
         if turned_away:
             # These ran nothing, whatever the outcomes' writes do.
@@ -144,7 +148,7 @@ class Dispatcher:
                 self._retry(retry, job, reason)
             if self.metrics:
                 self.metrics.record_handed_back(len(turned_away))
-        self._record(unreadable + outcomes, retry)
+        self._record(unreadable + outcomes, retry, claimed.spent, time_left_s)
         return retry
 
     # ------------------------------------------------------------ claim
@@ -159,13 +163,6 @@ class Dispatcher:
                 continue
             gather(jobs, message, d)  # a stale delivery is left out: acknowledged, as one not in `retry`
         return jobs
-
-    def _claim(self, jobs: dict[str, Job]) -> list[Job]:
-        if not jobs:
-            return []
-        # Expired and gone (rolled back, duplicate, cancelled) tasks are simply
-        # acknowledged.
-        return claim(self.store, list(jobs.values()), now_ms()).runnable
 
     # ------------------------------------------------------------ infer
     def _infer(self, jobs: list[Job], time_left_s: Callable[[], float] | None = None,
@@ -273,7 +270,8 @@ class Dispatcher:
         return outcomes
 
     # ------------------------------------------------------------ record
-    def _record(self, outcomes: list[Outcome], retry: dict[str, str]) -> None:
+    def _record(self, outcomes: list[Outcome], retry: dict[str, str], spent: list[Job],
+                time_left_s: Callable[[], float] | None) -> None:
         now = now_ms()
         plan = plan_outcomes(outcomes, now, self.settings)
         # A rejected outcome's task is final already: its message is simply acknowledged.
@@ -287,8 +285,6 @@ class Dispatcher:
         for o in plan.retry + plan.failed:
             if o.job.message.task_id not in rejected:
                 self._retry(retry, o.job, o.error)
-        for message_id in self._dead_letter([o.job for o in plan.failed if o.job.message.task_id not in rejected]):
-            del retry[message_id]  # Lambda deletes it from its queue
         if plan.unwritten:
             # Outcomes the table would not take: each its own task's, never the
             # batch's, whose written outcomes stand; a throttled one's start is
@@ -303,25 +299,39 @@ class Dispatcher:
                 self.metrics.record_handed_back(len(plan.unwritten))
         if self.metrics:  # the plan's lists: a result that could not be stored is a failed attempt
             self.metrics.record_outcomes(plan.counted(), now, plan.dropped(rejected))
+        for job in spent:
+            self._retry(retry, job, f"past its {self.settings.max_attempts} attempts, each without an outcome")
+        failed = [o.job for o in plan.failed if o.job.message.task_id not in rejected]
+        for message_id in self._dead_letter(spent + failed, time_left_s):
+            del retry[message_id]  # Lambda deletes it from its queue
 
-    def _dead_letter(self, failed: list[Job]) -> set[str]:
-        """Send to its DLQ each message of a failed task that SQS would not
-        move there: one below maxReceiveCount (max_attempts), a requeued
-        task's (sluice.dlq). Returns the ids of those sent. One that could not
-        be sent is redelivered as any failed one, and its next receive
-        acknowledges it (its task is final): only the dead letter is missing."""
+    def _dead_letter(self, jobs: list[Job], time_left_s: Callable[[], float] | None) -> set[str]:
+        """Send to its DLQ each message of these jobs (failed, or spent: past
+        max_attempts unrun) that SQS would not move there at its next receive:
+        one below maxReceiveCount (max_attempts), a requeued task's
+        (sluice.dlq). Returns the ids of those sent; the rest are redelivered.
+        One not sent comes back: a failed task's is then acknowledged (its
+        task is final), only its dead letter missing; a spent one's is spent
+        again. Skipped when the invocation has too little left: a timed-out
+        invocation would have every message of the batch delivered again."""
+        below = [(job.message.priority, d) for job in jobs for d in job.deliveries
+                 if d.receive_count < self.settings.max_attempts]
+        if not below:
+            return set()
+        if time_left_s and time_left_s() < DEAD_LETTER_RESERVE_S:
+            log.warning(f"too little of the invocation left to dead-letter {len(below)} messages: redelivered")
+            return set()
         sent: set[str] = set()
-        for priority in {job.message.priority for job in failed}:
-            below = [d for job in failed if job.message.priority == priority for d in job.deliveries
-                     if d.receive_count < self.settings.max_attempts]
-            if not below:
-                continue
+        for priority in {p for p, _ in below}:
+            group = [d for p, d in below if p == priority]
             try:
-                stored = self.queues.send_bodies(self.queues.dlq_url(priority), [d.body for d in below])
+                stored = self.queues.send_bodies(self.queues.dlq_url(priority), [d.body for d in group])
             except Exception as exc:  # noqa: BLE001 - the tasks' outcomes are written: they stand
-                log.warning(f"could not dead-letter {len(below)} failed tasks' messages: {_describe(exc)}")
+                log.warning(f"could not dead-letter {len(group)} messages: {_describe(exc)}")
                 continue
-            sent |= {below[i].message_id for i in stored}
+            if len(stored) < len(group):
+                log.warning(f"SQS did not store {len(group) - len(stored)} of {len(group)} dead letters")
+            sent |= {group[i].message_id for i in stored}
         return sent
 
     @property

@@ -65,6 +65,7 @@ class PriorityQueues:
         # Receives wait up to 20 s by design; every other call is bounded short.
         self.poller = client("sqs", settings, long_poll=True)
         self._urls: dict[str, str] = {}
+        self._dlq_names: dict[str, str] = {}  # by the queue URL whose redrive policy names it
         self._lock = threading.Lock()
         self._chunk_pool: ThreadPoolExecutor | None = None  # made on first use (the API never needs it)
 
@@ -76,9 +77,14 @@ class PriorityQueues:
     def dlq_url(self, priority: Priority) -> str:
         override = self.settings.queue_url_override(priority)
         if override:
-            attrs = self.sqs.get_queue_attributes(QueueUrl=override, AttributeNames=["RedrivePolicy"])
-            arn = json.loads(attrs["Attributes"]["RedrivePolicy"])["deadLetterTargetArn"]
-            return self._url_of(arn.rsplit(":", 1)[1])
+            with self._lock:
+                name = self._dlq_names.get(override)
+            if name is None:
+                attrs = self.sqs.get_queue_attributes(QueueUrl=override, AttributeNames=["RedrivePolicy"])
+                name = json.loads(attrs["Attributes"]["RedrivePolicy"])["deadLetterTargetArn"].rsplit(":", 1)[1]
+                with self._lock:
+                    self._dlq_names[override] = name
+            return self._url_of(name)
         return self._url_of(self.settings.queue_name(priority, dlq=True))
 
     def _url_of(self, name: str) -> str:

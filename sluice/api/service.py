@@ -485,7 +485,10 @@ class TaskService:
     def _message_of(record: TaskRecord, request: SubmitRequest) -> TaskMessage:
         """A recorded task's message, as its first try sent it and a retry
         sends it again: a worker checks only the message's deadline, so it is
-        the record's, not one counted from a retry."""
+        the record's, not one counted from a retry. It carries the runs its
+        task had, as a requeue's does (sluice.dlq): SQS counts a new message's
+        receives from 1. None recorded: its first message may not have been
+        received yet."""
         return TaskMessage(
             task_id=record.task_id,
             tenant_id=record.tenant_id,
@@ -495,6 +498,7 @@ class TaskService:
             inputs=request.inputs,
             deadline_at=record.deadline_at,
             enqueued_at=record.created_at,
+            runs_before=record.runs() if record.attempts or record.error_code else None,
         )
 
     def _retry_of_accepted(

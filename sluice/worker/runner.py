@@ -56,6 +56,8 @@ class Prepared:
     ack: list[Received]  # messages to delete whatever happens to the batch
     # Outcomes settled before inference: tasks whose inputs could not be read.
     unreadable: list[Outcome] = field(default_factory=list)
+    # Messages to dead-letter whatever happens to the batch: tasks past max_attempts (lifecycle.claim).
+    spent: list[Received] = field(default_factory=list)
 
     @property
     def claimed(self) -> list[Job]:
@@ -99,15 +101,20 @@ class BatchRunner:
         if unserved:
             self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
 
-        claimed = claim(self.store, list(jobs.values()), now)  # if it raises, it took back its starts
+        # If it raises, it took back its starts.
+        claimed = claim(self.store, list(jobs.values()), now, self.settings.max_attempts)
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
+        if claimed.spent:
+            log.warning("not running %d tasks past their %d attempts, each ended without an outcome (%s): to the "
+                        "dead-letter queue, for settling", len(claimed.spent), self.settings.max_attempts,
+                        ", ".join(j.message.task_id for j in claimed.spent))
         try:
             # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
             runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.io)
         except Exception:  # the batch goes back unrun (Pipeline)
             unclaim(self.store, claimed.runnable)
             raise
-        return Prepared(runnable, ack, unreadable)
+        return Prepared(runnable, ack, unreadable, [d for job in claimed.spent for d in job.deliveries])
 
     def _hand_back_unserved(self, unserved: dict[str, list[Received]], give_back) -> None:
         """The API and the workers read SLUICE_MODELS apart: in a rolling deploy
@@ -205,26 +212,19 @@ class BatchRunner:
         failed = [o for o in plan.failed if o.job.message.task_id not in rejected]
         retry = [o for o in plan.retry if o.job.message.task_id not in rejected]
         done = list(prepared.ack) + [d for o in settled for d in o.job.deliveries]
-        # SQS dead-letters a message at its next receive once its receive count
-        # reached maxReceiveCount (max_attempts); a requeued task's newer
-        # message fails below that, and is moved now.
-        dlq_by_sqs = [d for o in failed for d in o.job.deliveries if d.receive_count >= self.settings.max_attempts]
-        dlq_now = [d for o in failed for d in o.job.deliveries if d.receive_count < self.settings.max_attempts]
+        to_dlq = list(prepared.spent) + [d for o in failed for d in o.job.deliveries]
         to_retry = [d for o in retry for d in o.job.deliveries]
         unwritten = [d for o in plan.unwritten for d in o.job.deliveries]
         if release:
-            release(done + dlq_by_sqs + dlq_now + to_retry + unwritten)
+            release(done + to_dlq + to_retry + unwritten)
         # Each step is made whatever the one before did (a failed delete comes
         # back and is acknowledged by its next receive); the first error is
         # raised after all of them.
         steps = []
         if done:
             steps.append(lambda: self.queues.delete_many(done))
-        if dlq_by_sqs:
-            # Not deleted: visible at once, its next receive moves it to the DLQ.
-            steps.append(lambda: self.queues.change_visibility_many(dlq_by_sqs, 0))
-        if dlq_now:
-            steps.append(lambda: self.queues.dead_letter(dlq_now))
+        if to_dlq:
+            steps.append(lambda: self.dead_letter(to_dlq))
         if to_retry:
             steps.append(lambda: self.queues.change_visibility_many(to_retry, _backoff_s(retry)))
         if plan.unwritten:
@@ -236,6 +236,24 @@ class BatchRunner:
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - raised below, once every step was made
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def dead_letter(self, messages: list[Received]) -> None:
+        """To the dead-letter queue. SQS moves a message whose receive count
+        reached maxReceiveCount (max_attempts) at its next receive: made
+        visible at once, not deleted. A requeued task's (sluice.dlq), younger,
+        is moved here. Raises the first failure after trying both."""
+        by_sqs = [m for m in messages if m.receive_count >= self.settings.max_attempts]
+        here = [m for m in messages if m.receive_count < self.settings.max_attempts]
+        errors = []
+        for call, group in ((partial(self.queues.change_visibility_many, timeout_s=0), by_sqs),
+                            (self.queues.dead_letter, here)):
+            try:
+                if group:
+                    call(group)
+            except Exception as exc:  # noqa: BLE001 - raised below, once both were tried
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -335,6 +353,11 @@ class Pipeline:
                 unclaim_within(self.runner.store, prepared.claimed)
                 self.on_done(batch)
                 self.runner.acknowledge(prepared.ack)
+                try:
+                    self.runner.dead_letter(prepared.spent)
+                except Exception as exc:  # noqa: BLE001 - they come back, spent again
+                    log.warning("could not dead-letter %d spent tasks' messages: %s", len(prepared.spent),
+                                type(exc).__name__)
                 continue
             self.inferring_since = time.monotonic()
             try:

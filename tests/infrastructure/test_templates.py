@@ -818,6 +818,27 @@ def test_only_settling_and_dead_lettering_reach_the_dead_letter_queues(synth, ba
     assert on_dlqs == set(access.SETTLE_DLQS + access.DEAD_LETTER_DLQS)
 
 
+def test_the_dispatcher_can_find_and_reach_the_dead_letter_queues(synth):
+    """A requeued task's message, failed or spent below maxReceiveCount, is sent
+    to its DLQ by the dispatcher: the DLQ's URL comes from the queue's redrive
+    policy (GetQueueAttributes on each queue, which its event source grants),
+    then GetQueueUrl and SendMessage on each DLQ."""
+    from cdk import access
+
+    raw = synth.raw["sagemaker"]
+    role = function_role(raw, "lambdas.dispatcher.handler.handler")
+    queues = resources(raw, "AWS::SQS::Queue")
+    dlqs = {r for r, q in queues.items() if q["Properties"]["QueueName"].endswith("-dlq")}
+    granted: dict[str, set[str]] = {}
+    for logical, statement in policy_statements(raw):
+        if role in refs(raw["Resources"][logical]["Properties"].get("Roles", [])):
+            for action in as_list(statement["Action"]):
+                granted.setdefault(action, set()).update(refs(statement["Resource"]))
+    assert granted["sqs:GetQueueAttributes"] >= set(queues) - dlqs
+    for action in access.DEAD_LETTER_DLQS:
+        assert granted[action] >= dlqs, action
+
+
 def test_the_sagemaker_backend_settles_on_a_schedule(synth):
     raw = synth.raw["sagemaker"]
     (rule,) = resources(raw, "AWS::Events::Rule").values()

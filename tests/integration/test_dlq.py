@@ -82,6 +82,37 @@ def test_a_requeued_task_runs_only_the_attempts_it_has_left(settings, runner, re
     assert dead["task_id"] == "requeued"
 
 
+@pytest.mark.parametrize("recorded, runs_left", [
+    # Ran once and took its worker down (its first delivery's start is not
+    # recorded); its second and third receives were handed back unrun.
+    ({"attempts": 0}, 2),
+    # Ran twice, taking its worker down each time; its third receive was handed back.
+    ({"attempts": 1}, 1),
+])
+def test_a_requeued_task_that_kills_its_worker_runs_only_the_attempts_it_has_left(settings, runner, recorded,
+                                                                                    runs_left):
+    # No run writes an outcome, so no failure stops it: its new message is not
+    # dead-lettered by SQS before three receives of its own, and once past
+    # max_attempts it goes to the DLQ unrun, where settling fails the task.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "killer", **recorded)
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 1}
+    ran = 0
+    while batch := receive_all(settings, 1):
+        prepared = runner.prepare(batch)
+        if prepared.jobs:  # it runs, and takes its worker down: no outcome, the message comes back
+            ran += 1
+            assert ran <= runs_left
+            queues.sqs.change_message_visibility(QueueUrl=queues.url(Priority.normal),
+                                                 ReceiptHandle=batch[0].receipt_handle, VisibilityTimeout=0)
+        else:
+            runner.finish(prepared, [])
+    assert ran == runs_left
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 1, "requeued": 0}
+    record = store.get("killer")
+    assert (record.status, record.error_code, record.attempts) == (TaskStatus.failed, "dead_lettered", 3)
+
+
 class ShortPollsAnswerEmpty:
     """Test seam over the real client: a receive that does not long-poll answers
     empty, as an SQS short poll can (it asks a sample of the servers)."""

@@ -11,6 +11,7 @@ from botocore.exceptions import EndpointConnectionError
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
+from sluice.adapters.task_store import Change
 from sluice.api.errors import ApiError
 from sluice.api.service import TaskService, batch_task_id, idempotent_task_id, request_hash
 from sluice.contract import (
@@ -102,6 +103,24 @@ def test_a_replayed_message_names_the_inputs_its_first_try_stored(service, setti
     message = resent.task()
     assert message.task_id == task_id and message.inputs is None
     assert PayloadStore(settings).get_json(message.inputs_key) == inputs
+
+
+@pytest.mark.parametrize("recorded, runs_before", [
+    ({}, None),  # no run recorded: its message may not have been received yet
+    ({"attempts": 2, "error_code": "model_error", "error_message": "RuntimeError: boom"}, 2),  # two failed runs
+    ({"attempts": 1}, 2),  # a redelivery recorded its start: the first delivery's run is counted too
+])
+def test_a_replayed_message_carries_the_runs_its_task_had(service, settings, recorded, runs_before):
+    # SQS counts the re-sent message's receives from 1: without its runs so far,
+    # the task would get max_attempts more (sluice.lifecycle).
+    task_id = service.submit("t", REQUEST, "runs-1").task_id
+    queues = PriorityQueues(settings)
+    queues.delete_many(queues.receive(Priority.normal, 10, 1, 30))
+    if recorded:
+        service.store.apply(Change(task_id, recorded, (TaskStatus.queued,)))
+    service.submit("t", REQUEST, "runs-1")
+    (resent,) = queues.receive(Priority.normal, 10, 1, 30)
+    assert resent.task().runs_before == runs_before
 
 
 def test_a_keyed_batch_cut_mid_way_answers_503_without_saying_nothing_was_recorded(service):
@@ -249,7 +268,7 @@ def test_a_task_expired_by_a_claim_is_kept_for_the_ttl_from_expiring(service, se
     message = TaskMessage(task_id="expired-claimed", tenant_id="t", model="synthetic", priority=Priority.normal,
                           input_count=1, inputs=["x"], enqueued_at=LONG_AGO, deadline_at=LONG_AGO + 1000)
     delivery = SimpleNamespace(receive_count=1)
-    assert claim(service.store, [Job(message, [delivery])], now_ms()).expired
+    assert claim(service.store, [Job(message, [delivery])], now_ms(), max_attempts=3).expired
     assert_kept_for_the_ttl_from_finishing(service.store.get("expired-claimed"), TaskStatus.expired, settings)
 
 

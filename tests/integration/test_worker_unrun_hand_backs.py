@@ -248,8 +248,8 @@ def test_a_take_back_leaves_alone_the_start_that_another_claim_recorded_since(se
     store = TaskStore(settings)
     mine, theirs = Job(message.task(), [message]), Job(message.task(), [message])
     now = now_ms()
-    assert claim(store, [mine], now).runnable == [mine]
-    assert claim(store, [theirs], now + 1000).runnable == [theirs]
+    assert claim(store, [mine], now, max_attempts=3).runnable == [mine]
+    assert claim(store, [theirs], now + 1000, max_attempts=3).runnable == [theirs]
 
     unclaim(store, [mine])
     record = store.get(task_id)

@@ -285,6 +285,34 @@ def test_a_requeued_task_failing_below_max_receive_count_is_dead_lettered_at_onc
     assert "sqs:SendMessage" in used and used <= granted, used - granted
 
 
+@dataclass
+class EndingContext(LambdaContext):
+    """An invocation with only this much left."""
+    left_ms: int = 10_000
+
+    def get_remaining_time_in_millis(self) -> int:
+        return self.left_ms
+
+
+@pytest.mark.parametrize("left_ms, dead_lettered", [(90_000, True), (10_000, False)])
+def test_a_requeued_task_past_max_attempts_goes_to_the_dead_letter_queue_unrun(dispatch, settings, left_ms,
+                                                                              dead_lettered):
+    # Its runs so far each ended without an outcome (they took the container
+    # down): SQS's count of its new message would let it run three more times.
+    # With too little of the invocation left to send it, it is redelivered, and spent again.
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["x"]})
+    event = sqs_event(settings, 1)
+    event["Records"][0]["body"] = json.dumps({**json.loads(event["Records"][0]["body"]), "runs_before": 3})
+    SageMakerRuntime.calls.clear()
+    response = dispatch.module.handler(event, EndingContext(left_ms=left_ms))
+    assert SageMakerRuntime.calls == []
+    assert failed_ids(response) == (set() if dead_lettered else message_ids(event, [task_id]))
+    record = TaskStore(settings).get(task_id)
+    assert (record.status, record.attempts, record.started_at) == (TaskStatus.queued, 0, None)
+    assert [d["task_id"] for d in list_dead(PriorityQueues(settings), [Priority.normal])] == (
+        [task_id] if dead_lettered else [])
+
+
 def test_an_input_the_model_refuses_fails_at_once_and_is_acknowledged(dispatch, settings):
     good = submit(settings, {"model": "synthetic", "inputs": ["ok"]})
     bad = submit(settings, {"model": "synthetic", "inputs": ["boom !fail"]})
