@@ -30,7 +30,7 @@ import random
 import threading
 import time
 
-from sluice.adapters.queues import PriorityQueues, message_body
+from sluice.adapters.queues import PriorityQueues, sqs_safe
 from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus, now_ms
 
@@ -269,12 +269,17 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
 
 def _counting_runs(body: str, runs: int) -> str:
     """The body of a requeued task's new message: it carries the runs so far,
-    which SQS's receive count restarts from 1 without (sluice.lifecycle)."""
+    which SQS's receive count restarts from 1 without (sluice.lifecycle).
+    Changed as JSON, not through TaskMessage: a field of a newer release,
+    which this one's model ignores, stays in it."""
     try:
-        message = TaskMessage.model_validate_json(body)
+        TaskMessage.model_validate_json(body)
     except ValueError:  # not a task: a worker drops it all the same
         return body
-    return message_body(message.model_copy(update={"runs_before": runs if runs >= 1 else None}))
+    fields = json.loads(body)
+    if runs >= 1:
+        fields["runs_before"] = runs
+    return sqs_safe(json.dumps(fields, ensure_ascii=False, separators=(",", ":")))
 
 
 def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:

@@ -16,8 +16,8 @@ claim and expiry holds a message to the record created when it was (its
 its message's receive count plus the runs before that message was sent: a task
 that dead-letter settling requeued gets a new message, whose receives SQS
 counts from 1 again, carrying its runs so far (`runs_before`, sluice.dlq).
-A job whose run's number would pass max_attempts is spent: not run, its
-message sent to the dead-letter queue, where settling fails or requeues the
+A job whose run's number would pass max_attempts is spent (unless its task is
+final or gone: acknowledged, as any): not run, its message sent to the dead-letter queue, where settling fails or requeues the
 task by its record (its runs before ended without an outcome, none failed it).
 A redelivery, or the first delivery of such a message, means an earlier attempt ended without an outcome (a
 worker died, a reply was lost), so its start is recorded: a conditional update
@@ -95,12 +95,19 @@ class Job:
     # unclaim puts back). None: no start of this job's to take back.
     recorded_start: int | None = None
     started_before: int | None = None
+    # Per delivery, its message's runs_before: a task's requeued or re-sent
+    # message and its first one may come in one batch, each counting apart.
+    earlier_runs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.earlier_runs:
+            self.earlier_runs = [self.message.runs_before or 0] * len(self.deliveries)
 
     @property
     def attempts(self) -> int:
-        """This run's number: the task's runs before its message was sent
-        (settling's requeue, sluice.dlq) and the message's receives."""
-        return (self.message.runs_before or 0) + max(d.receive_count for d in self.deliveries)
+        """This run's number: the task's runs before a delivery's message was
+        sent (settling's requeue, sluice.dlq) and that message's receives."""
+        return max(runs + d.receive_count for runs, d in zip(self.earlier_runs, self.deliveries))
 
 
 def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
@@ -116,9 +123,8 @@ def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[An
         return job.deliveries if job is not None else []
     if message.enqueued_at < job.message.enqueued_at:
         return [delivery]
-    if (message.runs_before or 0) > (job.message.runs_before or 0):
-        job.message = message  # the same task, requeued: the one that counts its runs
     job.deliveries.append(delivery)
+    job.earlier_runs.append(message.runs_before or 0)
     return []
 
 
@@ -139,8 +145,9 @@ class Claim:
     runnable: list[Job] = field(default_factory=list)
     expired: list[Job] = field(default_factory=list)  # past the deadline: acknowledge
     gone: list[Job] = field(default_factory=list)  # missing or already final: acknowledge
-    # Past max_attempts, every run before it ended without an outcome: to the
-    # dead-letter queue unrun, where settling fails or requeues the task by its record.
+    # Past max_attempts, every run before it ended without an outcome, its task
+    # still queued: to the dead-letter queue unrun, where settling fails or
+    # requeues the task by its record.
     spent: list[Job] = field(default_factory=list)
 
 
@@ -156,13 +163,14 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     expiries: list[Change] = []
     redelivered: list[Job] = []
     first: list[Job] = []
+    over: list[Job] = []  # spent unless final or missing: read with the first deliveries
     for job in jobs:
         job.started_at = now
         if job.message.past_deadline(now):
             expiries.append(expire(job.message.task_id, now, job.message.enqueued_at))
             result.expired.append(job)
         elif job.attempts > max_attempts:
-            result.spent.append(job)
+            over.append(job)
         elif job.attempts > 1:
             redelivered.append(job)
         else:
@@ -178,8 +186,9 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     try:
         if applied.errored:
             raise next(iter(applied.errored.values()))
-        statuses = store.statuses([j.message.task_id for j in first],
-                                  created={j.message.task_id: j.message.enqueued_at for j in first}) if first else {}
+        read = first + over
+        statuses = store.statuses([j.message.task_id for j in read],
+                                  created={j.message.task_id: j.message.enqueued_at for j in read}) if read else {}
     except Exception:
         unclaim(store, redelivered)
         raise
@@ -188,6 +197,9 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     for job in first:
         status = statuses.get(job.message.task_id)
         (result.gone if status is None or status.is_terminal else result.runnable).append(job)
+    for job in over:
+        status = statuses.get(job.message.task_id)
+        (result.gone if status is None or status.is_terminal else result.spent).append(job)
     return result
 
 

@@ -35,7 +35,11 @@ _SQS_REFUSED = str.maketrans({"\ufffe": "\\ufffe", "\uffff": "\\uffff"})
 
 def message_body(message: TaskMessage) -> str:
     """The message as JSON, with SQS's two refused characters escaped (the same JSON value)."""
-    body = message.model_dump_json(exclude_none=True)
+    return sqs_safe(message.model_dump_json(exclude_none=True))
+
+
+def sqs_safe(body: str) -> str:
+    """A JSON text with SQS's two refused characters escaped (the same JSON value)."""
     return body.translate(_SQS_REFUSED) if "\ufffe" in body or "\uffff" in body else body
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from sluice import cli, dlq
 from sluice.adapters.queues import PriorityQueues
-from sluice.adapters.task_store import TaskStore
+from sluice.adapters.task_store import Change, TaskStore
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, redrive, settle_dead
 from tests.integration.test_worker_runner import messages_left, receive_all
@@ -111,6 +111,38 @@ def test_a_requeued_task_that_kills_its_worker_runs_only_the_attempts_it_has_lef
     assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 1, "requeued": 0}
     record = store.get("killer")
     assert (record.status, record.error_code, record.attempts) == (TaskStatus.failed, "dead_lettered", 3)
+
+
+def test_a_requeued_task_s_redelivery_after_it_finished_is_acknowledged_not_dead_lettered(settings, runner):
+    # Past max_attempts by its count, but final (its outcome was written, its
+    # delete failed; or cancelled meanwhile): nothing left for settling.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "finished", attempts=1)
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 1}
+    [first] = receive_all(settings, 1)
+    queues.sqs.change_message_visibility(QueueUrl=queues.url(Priority.normal), ReceiptHandle=first.receipt_handle,
+                                         VisibilityTimeout=0)
+    store.apply(Change("finished", {"status": TaskStatus.cancelled.value, "finished_at": 1}, (TaskStatus.queued,)))
+    [again] = receive_all(settings, 1)
+    assert again.receive_count == 2  # its run's number would be 4
+    prepared = runner.prepare([again])
+    assert (prepared.jobs, prepared.spent, prepared.ack) == ([], [], [again])
+    runner.finish(prepared, [])
+    assert messages_left(settings) == 0 and list_dead(queues, [Priority.normal]) == []
+
+
+def test_a_requeued_message_keeps_the_fields_a_newer_release_wrote(settings):
+    # A worker of this release settles a message of a newer one while a deploy
+    # rolls: its model ignores the field, and the requeue must not drop it.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "newer", attempts=1)
+    [dead] = list_dead(queues, [Priority.normal])
+    body = {**json.loads(dead["body"]), "trace_parent": "00-abc-def-01"}
+    queues.sqs.purge_queue(QueueUrl=queues.dlq_url(Priority.normal))
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=json.dumps(body))
+    assert settle_dead(queues, store, [Priority.normal], settings.max_attempts) == {"failed": 0, "requeued": 1}
+    [requeued] = receive_all(settings, 1)
+    assert json.loads(requeued.body) == {**body, "runs_before": 2}
 
 
 class ShortPollsAnswerEmpty:
