@@ -200,6 +200,21 @@ def test_a_dead_letter_sqs_did_not_store_elsewhere_stays_in_the_dlq(settings, mo
     assert sorted(m.task().task_id for m in drain(queues, Priority.normal, 3)) == ["a", "b", "c"]
 
 
+def test_a_message_dead_lettered_by_a_worker_is_deleted_only_once_sqs_stored_it(settings):
+    # A requeued task failed below maxReceiveCount (PriorityQueues.dead_letter):
+    # one SQS did not store stays in its queue and is named; the others move.
+    queues = PriorityQueues(settings)
+    queues.send_many([message(t) for t in "abc"])
+    held = drain(queues, Priority.normal, 3)
+    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, "b")
+    with pytest.raises(SendFailed) as failed:
+        queues.dead_letter(held)
+    queues.sqs = real
+    assert failed.value.failed_ids == ["b"]
+    assert sorted(d["task_id"] for d in list_dead(queues, [Priority.normal])) == ["a", "c"]
+    assert depth(queues, queues.url(Priority.normal)) == (0, 1)  # b's, still held by this worker
+
+
 def test_payloads_round_trip_and_presigned_url_serves_the_object(settings):
     store = PayloadStore(settings)
     key = store.result_key("acme", "task1", "run1")

@@ -285,6 +285,34 @@ def test_a_stopping_worker_hands_back_first_and_waits_on_the_take_back_a_bounded
     wait_for(lambda: store.get(task_id).attempts == 0, 10, "the start taken back once the table answers")
 
 
+def test_a_stopping_worker_dead_letters_the_spent_task_of_a_prepared_batch(settings, runner):
+    """A requeued task past max_attempts (lifecycle.claim) goes to the DLQ, not
+    back to its queue, when the batch it was prepared in goes back unrun."""
+    (spent,) = submit(settings, "spent")
+    (delivery,) = receive(settings, [spent])
+    delivery.body = json.dumps({**json.loads(delivery.body), "runs_before": settings.max_attempts})
+
+    given, released = [], []
+    taken = iter([[delivery]])
+    pipeline = Pipeline(runner, lambda: next(taken, []), released.extend,
+                        lambda messages, delay_s=0: given.extend(messages))
+    prepare = runner.prepare
+
+    def prepared_then_stopping(*args):
+        prepared = prepare(*args)
+        pipeline.stopping.set()  # the stop comes while the batch waits for inference
+        return prepared
+
+    runner.prepare = prepared_then_stopping
+    worker = threading.Thread(target=pipeline.run, daemon=True)
+    worker.start()
+    worker.join(15)
+    assert not worker.is_alive()
+    assert given == [] and released == [delivery]
+    assert dead_counts(PriorityQueues(settings), [Priority.normal]) == (1, 0)
+    assert TaskStore(settings).get(spent).attempts == 0  # not run, no start recorded
+
+
 def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch(settings, runner):
     """What prepare settled stays settled: the messages of a task that expired or
     was already final are deleted, not handed back for another receive."""
