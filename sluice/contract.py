@@ -286,7 +286,8 @@ class TaskMessage(_Strict):
     runs_before: int | None = Field(
         default=None, ge=1,
         description="Runs of the task before this message was sent: set by dead-letter settling when it "
-                    "requeues a task, whose new message SQS counts from 1 again (sluice.dlq).")
+                    "requeues a task (sluice.dlq), and by an idempotent retry's re-send, whose new message SQS "
+                    "counts from 1 again.")
 
     @model_validator(mode="after")
     def _inputs_inline_xor_by_key(self) -> TaskMessage:

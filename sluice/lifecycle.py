@@ -17,10 +17,11 @@ its message's receive count plus the runs before that message was sent: a task
 that dead-letter settling requeued gets a new message, whose receives SQS
 counts from 1 again, carrying its runs so far (`runs_before`, sluice.dlq).
 A job whose run's number would pass max_attempts is spent (unless its task is
-final or gone: acknowledged, as any): not run, its message sent to the dead-letter queue, where settling fails or requeues the
-task by its record (its runs before ended without an outcome, none failed it).
-A redelivery, or the first delivery of such a message, means an earlier attempt ended without an outcome (a
-worker died, a reply was lost), so its start is recorded: a conditional update
+final or gone: acknowledged, as any): not run, its message sent to the
+dead-letter queue, where settling fails or requeues the task by its record
+(its runs before ended without an outcome, none failed it). A redelivery, or
+the first delivery of such a message, means an earlier attempt ended without
+an outcome (a worker died, a reply was lost), so its start is recorded: a conditional update
 (`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
 task that keeps killing its worker from one that was only handed back. So a
 claimed task that goes back without running (its batch's preparation failed

@@ -57,8 +57,8 @@ from sluice.contract import (
     now_ms,
 )
 from sluice.lifecycle import (
-    INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes, refused,
-    unclaim, unclaim_unwritten,
+    INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes,
+    refused, unclaim, unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -336,7 +336,7 @@ class Dispatcher:
 
     @property
     def queues(self) -> PriorityQueues:
-        """Made on first use: only a failed task's message needs it."""
+        """Made on first use: only a dead letter needs it."""
         if self._queues is None:
             self._queues = PriorityQueues(self.settings)
         return self._queues

@@ -146,9 +146,9 @@ class PriorityQueues:
 
     def dead_letter(self, messages: list[Received]) -> None:
         """Move messages to their priority's dead-letter queue now, as SQS
-        does after maxReceiveCount receives: for a failed task whose message
-        is newer than its runs (requeued by settling, sluice.dlq), which SQS
-        would not move. Sent first, then deleted: a failure in between leaves
+        does after maxReceiveCount receives: for a task failed or spent
+        (sluice.lifecycle) whose message is newer than its runs (requeued by
+        settling, sluice.dlq), which SQS would not move. Sent first, then deleted: a failure in between leaves
         a duplicate dead letter rather than none. Raises when any was not sent
         (it comes back, and its next receive acknowledges it: its task is final)."""
         by_priority: dict[Priority, list[Received]] = defaultdict(list)
