@@ -285,45 +285,9 @@ def test_a_stopping_worker_hands_back_first_and_waits_on_the_take_back_a_bounded
     wait_for(lambda: store.get(task_id).attempts == 0, 10, "the start taken back once the table answers")
 
 
-def test_a_stopping_worker_dead_letters_the_spent_task_of_a_prepared_batch(settings, runner):
-    """A requeued task past max_attempts (lifecycle.claim) goes to the DLQ, not
-    back to its queue, when the batch it was prepared in goes back unrun."""
-    (spent,) = submit(settings, "spent")
-    (delivery,) = receive(settings, [spent])
-    delivery.body = json.dumps({**json.loads(delivery.body), "runs_before": settings.max_attempts})
-
-    given, released = [], []
-    taken = iter([[delivery]])
-    pipeline = Pipeline(runner, lambda: next(taken, []), released.extend,
-                        lambda messages, delay_s=0: given.extend(messages))
-    prepare = runner.prepare
-
-    def prepared_then_stopping(*args):
-        prepared = prepare(*args)
-        pipeline.stopping.set()  # the stop comes while the batch waits for inference
-        return prepared
-
-    runner.prepare = prepared_then_stopping
-    worker = threading.Thread(target=pipeline.run, daemon=True)
-    worker.start()
-    worker.join(15)
-    assert not worker.is_alive()
-    assert given == [] and released == [delivery]
-    assert dead_counts(PriorityQueues(settings), [Priority.normal]) == (1, 0)
-    assert TaskStore(settings).get(spent).attempts == 0  # not run, no start recorded
-
-
-def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch(settings, runner):
-    """What prepare settled stays settled: the messages of a task that expired or
-    was already final are deleted, not handed back for another receive."""
-    service = TaskService(settings)
-    ok, cancelled, late = submit(settings, "ok", "cancelled", "late")
-    service.cancel("tenant-a", cancelled)
-    batch = receive(settings, [ok, cancelled, late])
-    body = json.loads(batch[2].body)
-    body["deadline_at"] = 1  # its deadline passed, without waiting for it
-    batch[2].body = json.dumps(body)
-
+def stopped_with_a_prepared_batch(runner, batch: list) -> tuple[list, list]:
+    """A worker's pipeline told to stop while `batch`, prepared, waits for
+    inference; returns the messages it handed back and those it released."""
     given, released = [], []
     taken = iter([batch])
     pipeline = Pipeline(runner, lambda: next(taken, []), released.extend,
@@ -340,6 +304,34 @@ def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch
     worker.start()
     worker.join(15)
     assert not worker.is_alive()
+    return given, released
+
+
+def test_a_stopping_worker_dead_letters_the_spent_task_of_a_prepared_batch(settings, runner):
+    """A requeued task past max_attempts (lifecycle.claim) goes to the DLQ, not
+    back to its queue, when the batch it was prepared in goes back unrun."""
+    (spent,) = submit(settings, "spent")
+    (delivery,) = receive(settings, [spent])
+    delivery.body = json.dumps({**json.loads(delivery.body), "runs_before": settings.max_attempts})
+
+    given, released = stopped_with_a_prepared_batch(runner, [delivery])
+    assert given == [] and released == [delivery]
+    assert dead_counts(PriorityQueues(settings), [Priority.normal]) == (1, 0)
+    assert TaskStore(settings).get(spent).attempts == 0  # not run, no start recorded
+
+
+def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch(settings, runner):
+    """What prepare settled stays settled: the messages of a task that expired or
+    was already final are deleted, not handed back for another receive."""
+    service = TaskService(settings)
+    ok, cancelled, late = submit(settings, "ok", "cancelled", "late")
+    service.cancel("tenant-a", cancelled)
+    batch = receive(settings, [ok, cancelled, late])
+    body = json.loads(batch[2].body)
+    body["deadline_at"] = 1  # its deadline passed, without waiting for it
+    batch[2].body = json.dumps(body)
+
+    given, released = stopped_with_a_prepared_batch(runner, batch)
     assert [m.task().task_id for m in given] == [ok]
     queue = PriorityQueues(settings)
     attributes = queue.sqs.get_queue_attributes(
