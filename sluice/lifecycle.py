@@ -111,6 +111,13 @@ class Job:
         return max(runs + d.receive_count for runs, d in zip(self.earlier_runs, self.deliveries))
 
 
+def sqs_dead_letters(delivery: Any, max_attempts: int) -> bool:
+    """Whether SQS moves this delivery's message to its DLQ at its next receive:
+    its receive count reached maxReceiveCount (max_attempts). One below it (a
+    requeued task's, failed or spent) its worker or dispatcher sends there."""
+    return delivery.receive_count >= max_attempts
+
+
 def gather(jobs: dict[str, Job], message: TaskMessage, delivery: Any) -> list[Any]:
     """Add a delivery to the batch's job of its task; returns the deliveries
     this makes stale, to acknowledge unrun. The same task delivered twice is

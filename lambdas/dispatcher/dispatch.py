@@ -58,7 +58,7 @@ from sluice.contract import (
 )
 from sluice.lifecycle import (
     INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes,
-    refused, unclaim, unclaim_unwritten,
+    refused, sqs_dead_letters, unclaim, unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -315,7 +315,7 @@ class Dispatcher:
         again. Skipped when the invocation has too little left: a timed-out
         invocation would have every message of the batch delivered again."""
         below = [(job.message.priority, d) for job in jobs for d in job.deliveries
-                 if d.receive_count < self.settings.max_attempts]
+                 if not sqs_dead_letters(d, self.settings.max_attempts)]
         if not below:
             return set()
         if time_left_s and time_left_s() < DEAD_LETTER_RESERVE_S:

@@ -37,8 +37,8 @@ from sluice.adapters.task_store import TaskStore
 from sluice.contract import now_ms
 from sluice.isolation import BROKEN_AFTER, BrokenModelWatch, run_isolating
 from sluice.lifecycle import (
-    Job, Outcome, OutcomePlan, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, unclaim,
-    unclaim_unwritten,
+    Job, Outcome, OutcomePlan, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, sqs_dead_letters,
+    unclaim, unclaim_unwritten,
 )
 from sluice.settings import Settings
 
@@ -245,8 +245,8 @@ class BatchRunner:
         reached maxReceiveCount (max_attempts) at its next receive: made
         visible at once, not deleted. A requeued task's (sluice.dlq), younger,
         is moved here. Raises the first failure after trying both."""
-        by_sqs = [m for m in messages if m.receive_count >= self.settings.max_attempts]
-        here = [m for m in messages if m.receive_count < self.settings.max_attempts]
+        by_sqs = [m for m in messages if sqs_dead_letters(m, self.settings.max_attempts)]
+        here = [m for m in messages if not sqs_dead_letters(m, self.settings.max_attempts)]
         errors = []
         for call, group in ((partial(self.queues.change_visibility_many, timeout_s=0), by_sqs),
                             (self.queues.dead_letter, here)):
