@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from aws_cdk import CfnResource, Stack
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
@@ -32,3 +34,25 @@ def expire_service_log_group(scope: Construct, id: str, *, log_group_name: str) 
     default removal policy), to expire on its own.
     """
     return logs.LogRetention(scope, id, log_group_name=log_group_name, retention=LOG_RETENTION)
+
+
+def expire_function_log_groups(stack: Stack) -> None:
+    """Give the stack's retention to the log group of every function that names
+    none: Lambda creates `/aws/lambda/<name>` at its first invocation, with no
+    retention. Sluice's own functions name a logs.LogGroup (cdk/functions.py);
+    aws-cdk-lib's do not (the kubectl provider's handler and its framework
+    function, CfnUtils' provider). Called once the stack's constructs exist."""
+    for resource in stack.node.find_all():
+        if not isinstance(resource, CfnResource) or resource.cfn_resource_type != "AWS::Lambda::Function":
+            continue
+        if RETENTION_FUNCTION_ID in resource.node.path.split("/"):
+            continue  # it sets its own group's retention when it runs
+        if isinstance(resource, lambda_.CfnFunction) and _names_log_group(stack, resource):
+            continue
+        expire_service_log_group(resource.node.scope, f"{resource.node.id}LogRetention",
+                                 log_group_name=f"/aws/lambda/{resource.ref}")
+
+
+def _names_log_group(stack: Stack, function: lambda_.CfnFunction) -> bool:
+    config = stack.resolve(function.logging_config) or {}
+    return bool(config.get("logGroup") or config.get("LogGroup"))

@@ -13,6 +13,7 @@ from cdk import nag
 from cdk.api_construct import Api
 from cdk.config import SluiceConfig
 from cdk.functions import LambdaCode
+from cdk.log_retention import expire_function_log_groups
 from cdk.observability_construct import MINUTE, Observability
 from cdk.queues_construct import Queues
 from cdk.storage_construct import Storage
@@ -120,4 +121,5 @@ class SluiceStack(Stack):
             CfnOutput(self, f"Queue{p.title()}", value=q.queue_url)
         CfnOutput(self, "AlarmTopic", value=self.observability.topic.topic_arn)
 
+        expire_function_log_groups(self)
         nag.suppress(self)

@@ -397,6 +397,8 @@ POLL_ROUTE = "GET /v1/tasks/{task_id}"
 
 
 def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, backend):
+    from cdk.log_retention import RETENTION_FUNCTION_ID
+
     # EKS (control-plane logging, the Container Insights add-on) and SageMaker
     # (the endpoint's container logs) create their log groups themselves, with
     # no retention: kept forever.
@@ -418,6 +420,15 @@ def test_the_log_groups_the_services_create_expire_as_the_stacks_own_do(synth, b
     (rest_api,) = resources(raw, "AWS::ApiGateway::RestApi")
     (stage,) = resources(raw, "AWS::ApiGateway::Stage")
     service_groups.add(f"API-Gateway-Execution-Logs_<{rest_api}>/<{stage}>")
+    # Lambda creates the group of a function that names none, with no retention:
+    # aws-cdk-lib's own functions (the kubectl provider's two, CfnUtils').
+    for name, function in resources(raw, "AWS::Lambda::Function").items():
+        named = function["Properties"].get("LoggingConfig", {}).get("LogGroup")
+        if named is not None:
+            (group,) = refs(named)
+            assert resources(raw, "AWS::Logs::LogGroup")[group]["Properties"]["RetentionInDays"] == retention
+        elif not name.startswith(RETENTION_FUNCTION_ID):  # that one sets its own group's when it runs
+            service_groups.add(f"/aws/lambda/<{name}>")
     # Set whether or not the service has created the group yet: a LogGroup of
     # the same name would fail on a stack whose service already made it.
     retained = {
