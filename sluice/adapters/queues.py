@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 
 from botocore.exceptions import (
     BotoCoreError,
@@ -66,12 +67,18 @@ class PriorityQueues:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.sqs = client("sqs", settings)
-        # Receives wait up to 20 s by design; every other call is bounded short.
-        self.poller = client("sqs", settings, long_poll=True)
         self._urls: dict[str, str] = {}
         self._dlq_names: dict[str, str] = {}  # by the queue URL whose redrive policy names it
         self._lock = threading.Lock()
         self._chunk_pool: ThreadPoolExecutor | None = None  # made on first use (the API never needs it)
+
+    @cached_property
+    def poller(self):
+        """The receives' client: they wait up to 20 s by design, where every other
+        call is bounded short. Built by the first receive: the API, the settler
+        and the dispatcher never receive, and a client costs their Lambdas'
+        cold starts 50-150 ms of CPU."""
+        return client("sqs", self.settings, long_poll=True)
 
     # ------------------------------------------------------------ addressing
     def url(self, priority: Priority) -> str:
