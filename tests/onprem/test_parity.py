@@ -190,6 +190,16 @@ def test_each_service_lives_on_its_own_server(stack):
     assert moto_sqs.list_queues().get("QueueUrls", []) == []
 
 
+def test_the_init_step_gives_the_store_s_bucket_its_expiry_rules(stack):
+    # bootstrap only warns when a store refuses lifecycle rules: read them back
+    # from SeaweedFS (MinIO's stand-in), so that payloads are known to expire.
+    from sluice.bootstrap import lifecycle_rules
+
+    rules = stack.client("s3").get_bucket_lifecycle_configuration(Bucket="sluice-payloads")["Rules"]
+    expiry = {r["Filter"]["Prefix"]: r["Expiration"]["Days"] for r in rules if r.get("Status") == "Enabled"}
+    assert expiry == {r["Filter"]["Prefix"]: r["Expiration"]["Days"] for r in lifecycle_rules(Settings())}
+
+
 def test_sluice_clients_keep_their_connection_to_localstack(stack, monkeypatch):
     # LocalStack's hypercorn gateway closes every connection a client does not
     # ask to keep; Sluice's clients ask, so a call does not open a new one.
