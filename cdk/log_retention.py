@@ -54,5 +54,5 @@ def expire_function_log_groups(stack: Stack) -> None:
 
 
 def _names_log_group(stack: Stack, function: lambda_.CfnFunction) -> bool:
-    config = stack.resolve(function.logging_config) or {}
-    return bool(config.get("logGroup") or config.get("LogGroup"))
+    # Resolved, a LoggingConfig is keyed as the L1's struct is: logGroup.
+    return bool((stack.resolve(function.logging_config) or {}).get("logGroup"))
