@@ -68,8 +68,12 @@ class SluiceConfig:
     max_workers: int = 4
     # Messages per worker KEDA aims for (queueLength of the aws-sqs-queue trigger).
     messages_per_worker: int = 200
-    keda_chart_version: str = "2.17.0"
-    cluster_autoscaler_chart_version: str = "9.46.6"
+    # Both must support kubernetes_version. KEDA supports three Kubernetes
+    # minors per release (2.17: 1.30-1.32); the Cluster Autoscaler only the
+    # minor it was built for, so its image is pinned to the cluster's
+    # (v<kubernetes_version>.0) whatever the chart's default (9.59.0: 1.35.0).
+    keda_chart_version: str = "2.21.0"
+    cluster_autoscaler_chart_version: str = "9.59.0"
 
     # SageMaker
     sagemaker_instance_type: str = "ml.g5.xlarge"
@@ -240,6 +244,8 @@ class SluiceConfig:
         if "eks" in self.backends:
             problems += [f"gpu_instance_types: {t!r} has no NVIDIA GPU, and the workers run with SLUICE_DEVICE=cuda "
                          "(g4dn, g5, g6, p4d, ...)" for t in self.gpu_instance_types if not _nvidia_gpu(t)]
+        if not _KUBERNETES_MINOR.fullmatch(self.kubernetes_version):
+            problems.append(f"kubernetes_version: {self.kubernetes_version!r} should be a minor version, such as 1.35")
         if not self.usage_plans:
             problems.append("usage_plans: at least one")
         # The longest queue name is `<prefix>-normal-dlq`; SQS takes 80 characters of these.
@@ -253,6 +259,7 @@ class SluiceConfig:
 
 
 _NAME_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,69}")
+_KUBERNETES_MINOR = re.compile(r"1\.\d{2,}")
 
 # Options that are gone, each with what replaces it. Refused by name, since a
 # value set for the old meaning cannot be carried over.

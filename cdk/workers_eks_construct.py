@@ -309,6 +309,8 @@ class EksWorkers(Construct):
             values={
                 "cloudProvider": "aws",
                 "awsRegion": region,
+                # Supported only against the Kubernetes minor it was built for.
+                "image": {"tag": f"v{config.kubernetes_version}.0"},
                 "autoDiscovery": {"clusterName": cluster.cluster_name},
                 "rbac": {
                     "serviceAccount": {

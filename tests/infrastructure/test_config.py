@@ -65,6 +65,9 @@ def test_derived_timeouts_cover_the_longest_batch():
         ({"name_prefix": "a" * 70}, "name_prefix"),
         ({"name_prefix": "team.a prod"}, "name_prefix"),
         ({"name_prefix": ""}, "name_prefix"),
+        # The autoscaler's image is tagged v<kubernetes_version>.0.
+        ({"kubernetes_version": "1.35.2"}, "kubernetes_version: '1.35.2' should be a minor version"),
+        ({"kubernetes_version": "v1.35"}, "kubernetes_version"),
     ],
 )
 def test_invalid_configuration_is_refused(raw, message):

@@ -630,6 +630,30 @@ def test_eks_gpu_nodegroup_and_worker_deployment(synth):
         assert system in chart["DependsOn"]
 
 
+def chart_values(chart: dict) -> dict:
+    """A Helm chart's values as the stack passes them, CloudFormation references as "TOKEN"."""
+    values = chart["Properties"]["Values"]
+    parts = values["Fn::Join"][1] if isinstance(values, dict) else [values]
+    return json.loads("".join(p if isinstance(p, str) else "TOKEN" for p in parts))
+
+
+def test_eks_autoscalers_match_the_clusters_kubernetes_version(synth):
+    # The Cluster Autoscaler supports only the Kubernetes minor it was built
+    # for, and KEDA three minors per release: chart 9.46.6 (autoscaler 1.32)
+    # and KEDA 2.17 (1.30-1.32) would run out of support on a 1.35 cluster.
+    raw = synth.raw["eks"]
+    config = synth.config["eks"]
+    (cluster,) = resources(raw, "AWS::EKS::Cluster").values()
+    assert cluster["Properties"]["Version"] == config.kubernetes_version
+    charts = {c["Properties"]["Chart"]: c for c in resources(raw, "Custom::AWSCDK-EKS-HelmChart").values()}
+    autoscaler = charts["cluster-autoscaler"]
+    assert autoscaler["Properties"]["Version"] == config.cluster_autoscaler_chart_version
+    assert chart_values(autoscaler)["image"]["tag"] == f"v{config.kubernetes_version}.0"
+    assert charts["keda"]["Properties"]["Version"] == config.keda_chart_version
+    assert (config.kubernetes_version, config.keda_chart_version, config.cluster_autoscaler_chart_version) == (
+        "1.35", "2.21.0", "9.59.0")
+
+
 def worker_deployment(raw: dict) -> dict:
     """The worker Deployment as the stack applies it, CloudFormation references as "TOKEN"."""
     for res in resources(raw, "Custom::AWSCDK-EKS-KubernetesResource").values():
