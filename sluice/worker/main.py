@@ -44,6 +44,8 @@ log = logging.getLogger("sluice.worker")
 EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
 # A queue that does not exist, as botocore reports it: the error's Code, and its
 # QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
+# How long a stopping worker waits, after its own hand-back, for stop()'s.
+HAND_BACK_ON_EXIT_S = 15.0
 QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
 
 
@@ -73,6 +75,7 @@ class Worker:
         self._done = threading.Event()
         self._held: dict[str, Received] = {}
         self._receivers: dict[Priority, threading.Thread] = {}
+        self._handing_back: threading.Thread | None = None  # stop()'s hand-back of the buffer
         self._held_lock = threading.Lock()
         # Held by the heartbeat across its extension call, and taken by every
         # release: once a batch's messages are released, no extension of them
@@ -255,6 +258,11 @@ class Worker:
         self.pipeline.run()  # returns once stopping is set and the batches in hand are done
         self._wait_for_receives(set(Priority))
         self._give_back(self.buffer.close())
+        if self._handing_back is not None:
+            # main() exits when this returns, ending daemon threads: a hand-back
+            # cut off there leaves the buffer's messages hidden until their
+            # visibility timeout. Bounded: a stalled SQS costs its retries (~12 s).
+            self._handing_back.join(HAND_BACK_ON_EXIT_S)
         self._done.set()
         self.metrics.stop()  # publishes what is left
         if self.queues_missing:
@@ -268,8 +276,9 @@ class Worker:
             self.pipeline.stopping.set()
             # Not in the signal handler itself: the main thread may hold the
             # buffer's or the heartbeat's lock right where the signal landed.
-            threading.Thread(target=lambda: self._give_back(self.buffer.close()), name="sluice-stop",
-                             daemon=True).start()
+            self._handing_back = threading.Thread(target=lambda: self._give_back(self.buffer.close()),
+                                                  name="sluice-stop", daemon=True)
+            self._handing_back.start()
 
 
 def main() -> int:

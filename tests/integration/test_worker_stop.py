@@ -116,6 +116,34 @@ def test_stopping_hands_back_the_prefetched_messages_while_the_model_still_runs(
         assert model.inferring.is_set() and not model.go.is_set()
 
 
+def test_run_returns_only_once_the_prefetched_messages_are_handed_back(settings):
+    # main() exits the process when run() returns, ending its daemon threads:
+    # a hand-back still under way then never lands, and the prefetched messages
+    # stay hidden for their visibility timeout (three minutes on EKS).
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 0, "receive_wait_s": 2})
+    service = TaskService(settings)
+    for priority in Priority:  # messages of every priority in the buffer: the hand-back waits for every receiver
+        for i in range(8):
+            service.submit("tenant-a", SubmitRequest(model="synthetic", inputs=[f"t{i}"], priority=priority), None)
+    model = GatedModel()
+    worker = Worker(settings, {"synthetic": model})
+    thread = running(worker)
+    assert model.inferring.wait(15), "no batch reached the model within 15 s"
+    wait_for(lambda: worker.pipeline._prepared.full()
+             and {m.priority for m in worker.buffer.snapshot()} == set(Priority), 15,
+             "batches prepared behind the model and tasks of every priority in the buffer")
+    buffered = {m.task().task_id for m in worker.buffer.snapshot()}
+    worker.stop()
+    model.go.set()  # the batch in hand ends at once: run() and the hand-back finish together
+    thread.join(20)
+    assert not thread.is_alive()
+    handing_back = [t for t in threading.enumerate() if t.name == "sluice-stop" and t.is_alive()]
+    assert not handing_back, "run() returned while the prefetched messages were still being handed back"
+    queues, back = PriorityQueues(settings), set()
+    wait_for(lambda: back.update(m.task().task_id for p in Priority for m in queues.receive(p, 10, 0, 30))
+             or buffered <= back, 10, "the buffered tasks visible again")
+
+
 def test_stopping_hands_back_what_it_held_without_spending_a_receive_of_it(settings):
     # A receive still polling when messages go back would take them straight
     # back (SQS answers a long poll the moment a message is visible), then hand
