@@ -438,6 +438,8 @@ class TaskService:
         """The task this Idempotency-Key created; None if it vanished meanwhile."""
         if existing.request_hash != fingerprint:
             raise idempotency_conflict()
+        # A message re-sent past the deadline would only be dropped by a worker.
+        existing = self._expired_if_overdue(existing)
         if existing.status != TaskStatus.queued:
             return self._accepted(existing, depth)
         if _resent_lately(existing):
@@ -626,14 +628,17 @@ class TaskService:
         # Another tenant's task answers exactly like a missing one.
         if record is None or record.tenant_id != tenant_id:
             raise not_found(task_id)
-        if record.overdue(now_ms()):
-            # Past its deadline without an outcome: a result now is no longer
-            # wanted, so it says so at once rather than when a worker gets to it.
-            try:
-                record = self.store.apply(expire(task_id, now_ms()))
-            except TransitionRejected as rejected:
-                record = rejected.current or record
-        return record
+        return self._expired_if_overdue(record)
+
+    def _expired_if_overdue(self, record: TaskRecord) -> TaskRecord:
+        """Past its deadline without an outcome: a result now is no longer
+        wanted, so the record says so at once rather than when a worker gets to it."""
+        if not record.overdue(now_ms()):
+            return record
+        try:
+            return self.store.apply(expire(record.task_id, now_ms()))
+        except TransitionRejected as rejected:
+            return rejected.current or record
 
     def get(self, tenant_id: str, task_id: str, record: TaskRecord | None | _Unread = UNREAD) -> TaskView:
         """The task's view; `record` when the caller has just read it (the long

@@ -92,6 +92,21 @@ def test_a_replayed_message_keeps_the_records_deadline(service, settings, monkey
     assert message.enqueued_at == record.created_at
 
 
+def test_a_retry_past_the_deadline_answers_expired_and_sends_nothing(service, settings, monkeypatch):
+    # A worker would only drop a message sent now: it would take a backlog
+    # slot, and the retry would report queued a task that can never run.
+    request = SubmitRequest(model="synthetic", inputs=["too late"], deadline_s=60)
+    task_id = service.submit("t", request, "past-deadline-1").task_id
+    record = service.store.get(task_id)
+    queues = PriorityQueues(settings)
+    queues.delete_many(queues.receive(Priority.normal, 10, 1, 30))  # the first try's message, say lost
+    monkeypatch.setattr("sluice.api.service.now_ms", lambda: record.deadline_at + 1_000)
+    again = service.submit("t", request, "past-deadline-1")
+    assert (again.task_id, again.status) == (task_id, TaskStatus.expired)
+    assert service.store.get(task_id).status == TaskStatus.expired
+    assert queues.receive(Priority.normal, 10, 0, 30) == []
+
+
 def test_a_replayed_message_names_the_inputs_its_first_try_stored(service, settings):
     inputs = ["L" * 8000] * 10  # over the inline limit: claim-checked
     request = SubmitRequest(model="synthetic", inputs=inputs)
