@@ -73,10 +73,11 @@ def _errors(*statuses: int) -> dict:
             for s in statuses}
 
 
-# Every route behind the key check: no key, a bad key, the rate limit, a table that does not answer.
-_AUTHED = (401, 403, 429, 503)
+# Every route behind the key check: no key, a bad key, a body over the limit
+# (BodyLimit reads it whatever the route), the rate limit, a table that does not answer.
+_AUTHED = (401, 403, 413, 429, 503)
 _FIRST_LOOK_MIN_S = 3.0  # a long poll's first read of its task, at the least
-_SUBMIT_ERRORS = _errors(400, *_AUTHED, 409, 413, 415, 422)
+_SUBMIT_ERRORS = _errors(400, *_AUTHED, 409, 415, 422)
 _HTTP_CODES = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 # The parameters' rules are the contract's types; only where each is read is said here.
 TaskIdParam = Annotated[TaskId, Path()]
@@ -341,6 +342,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description="Asynchronous inference for PyTorch models. Authenticate with the `x-api-key` header.",
         lifespan=lifespan,
+        # A path with a trailing slash is unknown (404): a redirect is in no
+        # route's contract, and clients that post do not follow one.
+        redirect_slashes=False,
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.auth_mode == "table":

@@ -493,10 +493,28 @@ def test_the_openapi_document_lists_each_routes_own_errors(api):
         return {int(s) for s in paths[path][method]["responses"] if int(s) >= 400}
 
     assert errors("/health", "get") == set()
-    assert errors("/v1/models", "get") == {401, 403, 429, 503}
+    assert errors("/v1/models", "get") == {401, 403, 413, 429, 503}
     assert errors("/v1/tasks", "post") == {400, 401, 403, 409, 413, 415, 422, 429, 503}
-    assert errors("/v1/tasks/{task_id}", "get") == {401, 403, 404, 422, 429, 503}
-    assert errors("/v1/tasks/{task_id}", "delete") == {401, 403, 404, 409, 422, 429, 503}
+    assert errors("/v1/tasks/{task_id}", "get") == {401, 403, 404, 413, 422, 429, 503}
+    assert errors("/v1/tasks/{task_id}", "delete") == {401, 403, 404, 409, 413, 422, 429, 503}
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/v1/tasks/t-1"),
+                                          ("DELETE", "/v1/tasks/t-1")])
+def test_a_route_that_takes_no_body_answers_an_oversized_one_with_a_413_it_declares(api, settings, method, path):
+    response = api.request(method, path, content=b" " * (settings.max_body_bytes + 1),
+                           headers={"x-api-key": api.key_a})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+    route = path.replace("t-1", "{task_id}")
+    assert "413" in api.get("/openapi.json").json()["paths"][route][method.lower()]["responses"]
+
+
+def test_a_path_with_a_trailing_slash_is_not_found_rather_than_redirected(api):
+    # A redirect is in no route's contract, and clients that post (the CLI
+    # among them) do not follow one.
+    response = api.post("/v1/tasks/", json={"model": "synthetic", "inputs": ["x"]},
+                        headers={"x-api-key": api.key_a}, follow_redirects=False)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize("method, path, allowed", [
