@@ -90,13 +90,15 @@ class ApiKeys:
 
     def revoke(self, key_or_id: str) -> ApiKeyRecord:
         """Revoke a key given itself or its id (what `create` prints; an
-        operator seldom holds the secret). Raises LookupError if there is none."""
+        operator seldom holds the secret). Raises LookupError if there is none.
+        Anything not shaped like a generated key is looked up as an id first,
+        then as a key: one registered as given (make run's SLUICE_API_KEY)
+        need not start with KEY_PREFIX."""
         if key_or_id.startswith(KEY_PREFIX):
             digest, named = hash_key(key_or_id), "no such API key"
         else:
-            digest, named = self._hash_of_id(key_or_id), f"no API key with id {key_or_id}"
-        if digest is None:
-            raise LookupError(named)
+            digest = self._hash_of_id(key_or_id) or hash_key(key_or_id)
+            named = f"no API key with id or value {key_or_id}"
         try:
             item = self.ddb.update_item(
                 TableName=self.table,

@@ -63,6 +63,18 @@ def test_missing_key_is_401_and_unknown_or_revoked_key_is_403(api):
     assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
 
 
+def test_a_key_is_revoked_by_its_id_or_by_itself_whatever_its_form(api):
+    # make run registers SLUICE_API_KEY as given, which need not start with sk_.
+    chosen, _ = api.keys.create("tenant-c", "my-chosen-demo-key")
+    generated, record = api.keys.create("tenant-c")
+    for key, named in ((chosen, chosen), (generated, record.key_id)):
+        assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200
+        assert api.keys.revoke(named).tenant_id == "tenant-c"
+        assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
+    with pytest.raises(LookupError, match="no API key with id or value nothing-like-it"):
+        api.keys.revoke("nothing-like-it")
+
+
 def test_a_request_without_a_key_is_401_before_its_body_is_read(api):
     # Not 400 for the body, 413 for its size or 422 for its fields: the caller
     # is refused before the API buffers or parses anything it sent.
