@@ -114,19 +114,20 @@ def _sender(body: str) -> dict:
     return fields if isinstance(fields, dict) else {}
 
 
-def _task_id(body: str) -> str | None:
-    value = _sender(body).get("task_id")
-    return value if isinstance(value, str) else None
+def _sent_by(body: str) -> tuple[str | None, int | None]:
+    """(task id, enqueued_at) of the submit that sent a message, as far as its body says."""
+    fields = _sender(body)
+    task_id, enqueued_at = fields.get("task_id"), fields.get("enqueued_at")
+    return (task_id if isinstance(task_id, str) else None, enqueued_at if isinstance(enqueued_at, int) else None)
 
 
 def _record_of(records: dict[str, TaskRecord], body: str) -> TaskRecord | None:
     """The record of the task that sent this message: one of a later submit
     under the same id (its Idempotency-Key reused once the task outlived its
     TTL, while this message waited out its 14 days here) is another task's."""
-    fields = _sender(body)
-    task_id, enqueued_at = fields.get("task_id"), fields.get("enqueued_at")
-    record = records.get(task_id) if isinstance(task_id, str) else None
-    if record is None or (isinstance(enqueued_at, int) and record.created_at != enqueued_at):
+    task_id, enqueued_at = _sent_by(body)
+    record = records.get(task_id) if task_id else None
+    if record is None or (enqueued_at is not None and record.created_at != enqueued_at):
         return None
     return record
 
@@ -141,7 +142,7 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
         messages = _receive_all(queues, url, limit - len(found))
         _show_again(queues, url, messages)
         found += [{"priority": priority.value, "message_id": m["MessageId"], "body": m["Body"],
-                   "attributes": m.get("Attributes", {}), "task_id": _task_id(m["Body"])} for m in messages]
+                   "attributes": m.get("Attributes", {}), "task_id": _sent_by(m["Body"])[0]} for m in messages]
     if store is not None:
         records = store.get_many([i["task_id"] for i in found if i["task_id"]])
         for item in found:
@@ -190,7 +191,8 @@ def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100
 
 
 def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
-                limit: int = 100, scan: int = _SCAN, known_final: set[str] | None = None) -> dict[str, int]:
+                limit: int = 100, scan: int = _SCAN, known_final: set[tuple[str, int]] | None = None,
+                ) -> dict[str, int]:
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue
@@ -203,9 +205,11 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     nothing new, `scan` is reached or half of `_HIDE_S` has passed, keeping
     what it leaves in place hidden meanwhile, then shows those again.
 
-    `known_final`: ids of tasks found final in earlier rounds, kept by the
-    caller (and bounded here); a final task stays final, so their records are
-    not read again."""
+    `known_final`: tasks found final in earlier rounds, kept by the caller
+    (and bounded here), each as (task id, created_at): a final task stays
+    final, so their records are not read again, but a later task under the
+    same id (an Idempotency-Key reused once the first outlived its TTL) is
+    another task."""
     known_final = set() if known_final is None else known_final
     if len(known_final) > _KNOWN_FINAL_MAX:
         known_final.clear()
@@ -228,13 +232,13 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     reached_end = True
                     break
                 seen.update(m["MessageId"] for m in new)
-                ids = {t for t in (_task_id(m["Body"]) for m in new) if t and t not in known_final}
+                ids = {t for t, sent in (_sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
                 records = store.get_many(ids) if ids else {}
                 requeue = []
                 for m in new:
                     record = _record_of(records, m["Body"])
                     if record is not None and record.status.is_terminal:
-                        known_final.add(record.task_id)
+                        known_final.add((record.task_id, record.created_at))
                     if record is None or record.status.is_terminal:
                         passed.append(m)
                         continue
@@ -303,7 +307,7 @@ def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
 def settle_loop(queues: PriorityQueues, store: TaskStore, max_attempts: int, done: threading.Event,
                 every_s: float) -> None:
     """settle_dead about every `every_s` seconds (jittered by half either way) until `done`."""
-    known_final: set[str] = set()
+    known_final: set[tuple[str, int]] = set()
     while not done.wait(every_s * random.uniform(0.5, 1.5)):
         try:
             counts = settle_dead(queues, store, list(Priority), max_attempts, known_final=known_final)

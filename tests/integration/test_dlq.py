@@ -288,6 +288,26 @@ def test_a_dead_letter_of_an_earlier_task_under_the_same_id_leaves_the_new_task_
     assert listed["task_id"] == "reused" and listed["task_status"] is None
 
 
+def test_a_worker_that_saw_an_earlier_task_final_still_settles_a_new_one_under_its_id(settings):
+    # A worker's settling remembers final tasks across rounds; a later task
+    # under the same id (its Idempotency-Key reused past the TTL) is not final.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "reused-later", attempts=1)
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": "reused-later"}},
+                          UpdateExpression="SET #s = :c", ExpressionAttributeNames={"#s": "status"},
+                          ExpressionAttributeValues={":c": {"S": TaskStatus.cancelled.value}})
+    known_final: set = set()
+    assert settle_dead(queues, store, [Priority.normal], 3, known_final=known_final) == {"failed": 0, "requeued": 0}
+    assert known_final
+    store.ddb.delete_item(TableName=store.table, Key={"task_id": {"S": "reused-later"}})  # past its TTL
+    store.create(TaskRecord(task_id="reused-later", tenant_id="t", model="synthetic", priority=Priority.normal,
+                            status=TaskStatus.queued, input_count=1, created_at=5, attempts=1))
+    body = TaskMessage(task_id="reused-later", tenant_id="t", model="synthetic", priority=Priority.normal,
+                       input_count=1, inputs=["y"], enqueued_at=5).model_dump_json(exclude_none=True)
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=body)
+    assert settle_dead(queues, store, [Priority.normal], 3, known_final=known_final) == {"failed": 0, "requeued": 1}
+
+
 def test_the_workers_settling_goes_on_after_a_round_that_failed(settings, monkeypatch):
     # The worker's thread: one transient error (the table throttled, SQS away) must
     # not end it, or dead-lettered tasks without an outcome stay queued for ever.
