@@ -38,12 +38,13 @@ OriginalStatusCode is 503 and whose body's code is `model_broken`) as a call
 that ran nothing, and hands its tasks back to SQS without spending an attempt,
 as the EKS worker that stops hands back its messages.
 
-A call that waited for the model past the time its caller gives up on it
-(SageMaker's 60 s, or less where the dispatcher's CustomAttributes say
-`sluice-give-up-s=N`) is refused unrun when its turn comes, with a 503 whose
-code is `caller_gone` (CALLER_GONE): no one would read its answer, and running it
-would make the calls queued behind it wait longer still and time out too. A
-caller that left before its answer is logged, not an error of the model.
+A call still waiting for the model REFUSAL_MARGIN_S (5 s) before its caller
+gives up on it (SageMaker's 60 s, or less where the dispatcher's
+CustomAttributes say `sluice-give-up-s=N`) is refused unrun then, with a 503
+whose code is `caller_gone` (CALLER_GONE), while its caller still waits to read
+it as a call that ran nothing: its answer would come too late to be read, and
+running it would make the calls queued behind it wait longer still and time
+out too. A caller that left before its answer is logged, not an error of the model.
 
 At SIGTERM the server stops taking calls and answers those in flight (up to
 STOP_GRACE_S) before it exits.
@@ -62,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -99,6 +101,12 @@ MODEL_BROKEN = "model_broken"
 CALLER_GONE = "caller_gone"
 # A real-time endpoint's invocation ends after 60 s, whatever the container does.
 SAGEMAKER_INVOCATION_TIMEOUT_S = 60.0
+# A call still waiting for the model this long before its caller gives up is
+# refused then: the refusal must reach the caller while it still waits
+# (SageMaker's clock started before the call arrived here, and the answer has
+# its way back). One refused later reaches no one, and its caller counts a
+# failed attempt of every task in it.
+REFUSAL_MARGIN_S = 5.0
 # The header SageMaker passes an InvokeEndpoint's CustomAttributes in.
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 
@@ -193,8 +201,7 @@ class Endpoint:
             raise _invalid(exc) from None
         name, model = self._model(single.model)
         try:
-            with self._locks[name]:
-                _still_awaited(give_up_at)
+            with _turn(self._locks[name], give_up_at):
                 outputs = self._predict(model, single.inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
@@ -233,8 +240,7 @@ class Endpoint:
                 code=MODEL_ERROR, message=f"the model failed on this task ({type(exc).__name__})"))
 
         if tasks:
-            with self._locks[name]:
-                _still_awaited(give_up_at)
+            with _turn(self._locks[name], give_up_at):
                 results = run_isolating(run, tasks, failed)
             for (i, _), answer in zip(tasks, results):
                 answers[i] = answer
@@ -260,11 +266,25 @@ class Endpoint:
         return outputs
 
 
-def _still_awaited(give_up_at: float | None) -> None:
-    """Raises, before anything runs, once the caller has given up on the call."""
-    if give_up_at is not None and time.monotonic() > give_up_at:
-        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, CALLER_GONE,
-                           "the call waited for the model past the time its caller gives up: not run")
+@contextmanager
+def _turn(lock: threading.Lock, give_up_at: float | None):
+    """The model's turn, waited for until REFUSAL_MARGIN_S before the caller
+    gives up (None: for ever); a call whose turn has not come by then raises
+    CALLER_GONE, before anything runs."""
+    refuse_at = None if give_up_at is None else give_up_at - REFUSAL_MARGIN_S
+    if not lock.acquire(timeout=-1 if refuse_at is None else max(0.0, refuse_at - time.monotonic())):
+        raise _caller_gone()
+    try:
+        if refuse_at is not None and time.monotonic() > refuse_at:
+            raise _caller_gone()
+        yield
+    finally:
+        lock.release()
+
+
+def _caller_gone() -> RequestError:
+    return RequestError(HTTPStatus.SERVICE_UNAVAILABLE, CALLER_GONE,
+                        "the call waited for the model until its caller was about to give up: not run")
 
 
 def _read_tasks(request: dict) -> tuple[list[tuple[int, EndpointTask]], list[EndpointTaskAnswer | None]]:

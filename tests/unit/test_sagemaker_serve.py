@@ -362,6 +362,29 @@ def test_a_call_whose_caller_has_given_up_is_refused_when_its_turn_comes_and_run
     assert status == 200 and model.batches, body
 
 
+@pytest.mark.parametrize("request_body", [tasks_of("a", "b"), {"inputs": ["a"]}], ids=["many-task", "single-task"])
+def test_a_call_waiting_behind_a_long_batch_is_refused_in_time_for_its_caller_to_read_it(server, request_body):
+    # Refused only once the model came free, the answer reached no one: the
+    # caller had timed out and counted a failed attempt of every task in the
+    # call. Refused while the caller still waits, it is a call that ran nothing.
+    port, model = server
+    model.gate.clear()
+    first = threading.Thread(target=call, args=(port, "POST", "/invocations", {"inputs": ["long"]}), daemon=True)
+    first.start()
+    try:
+        assert model.entered.wait(10)
+        give_up_s = serve.REFUSAL_MARGIN_S + 0.5
+        started = time.monotonic()
+        status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: f"sluice-give-up-s={give_up_s:g}"})
+        waited = time.monotonic() - started
+        assert status == 503 and body["error"]["code"] == serve.CALLER_GONE, body
+        assert waited < give_up_s, "refused only after its caller had given up"
+        assert model.batches == []  # the long batch still runs; this call ran nothing
+    finally:
+        model.gate.set()
+        first.join(10)
+
+
 def test_a_caller_gives_up_at_sagemaker_s_timeout_or_at_its_own_if_shorter():
     assert serve.give_up_at(100.0, None) == 100.0 + serve.SAGEMAKER_INVOCATION_TIMEOUT_S == 160.0
     assert serve.give_up_at(100.0, "sluice-give-up-s=15") == 115.0
