@@ -43,21 +43,22 @@ class BrokenModelWatch:
     """Whether a model is broken (a GPU after a sticky CUDA error), from the
     runs it makes: it failed every task of BROKEN_AFTER runs of two or more
     tasks in a row. A run in which any task succeeded shows the model works
-    and starts the count again; a run that says nothing about the device (one
+    and starts its count again; a run that says nothing about the device (one
     failing task alone is a poison input, a refusal among the failures, nothing
-    run) leaves the count as it is. Thread-safe: runs for different models may
-    be told at once."""
+    run) leaves the count as it is. Counted per model: a CPU model that works
+    says nothing of a GPU model beside it. Thread-safe: runs for different
+    models may be told at once."""
 
     def __init__(self):
-        self.failed_in_a_row = 0
+        self._failed_in_a_row: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def saw(self, codes: list[str | None]) -> bool:
-        """Told each task's error code in one run (None: a result); True from
-        the run that makes the model broken on."""
+    def saw(self, model: str, codes: list[str | None]) -> bool:
+        """Told each task's error code in one run of `model` (None: a
+        result); True from the run that makes the model broken on."""
         with self._lock:
             if None in codes:
-                self.failed_in_a_row = 0
+                self._failed_in_a_row[model] = 0
             elif len(codes) >= 2 and all(code == MODEL_ERROR for code in codes):
-                self.failed_in_a_row += 1
-            return self.failed_in_a_row >= BROKEN_AFTER
+                self._failed_in_a_row[model] = self._failed_in_a_row.get(model, 0) + 1
+            return self._failed_in_a_row.get(model, 0) >= BROKEN_AFTER

@@ -205,7 +205,7 @@ class Endpoint:
                 outputs = self._predict(model, single.inputs)
         except ModelInputError as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, "invalid_input", str(exc)) from None
-        self._watch_the_model([None])
+        self._watch_the_model(name, [None])
         return EndpointResult(model=name, model_version=model.version, result=model.result_for_task(outputs))
 
     def _model(self, name: str | None):
@@ -245,15 +245,15 @@ class Endpoint:
             for (i, _), answer in zip(tasks, results):
                 answers[i] = answer
             # The tasks the model ran: a `validation_error` never reached it.
-            self._watch_the_model([a.error.code if a.error else None for a in results])
+            self._watch_the_model(name, [a.error.code if a.error else None for a in results])
         return EndpointTasksReply(model=name, model_version=model.version, tasks=answers)
 
-    def _watch_the_model(self, codes: list[str | None]) -> None:
+    def _watch_the_model(self, name: str, codes: list[str | None]) -> None:
         """Told the error code (None: a result) of each task one call ran through the model."""
-        if self._watch.saw(codes) and not self.broken:
+        if self._watch.saw(name, codes) and not self.broken:
             self.broken = True
-            log.error("the model failed every task of %d calls in a row: /ping and invocations answer 503 from now "
-                      "on, for SageMaker to replace this instance", BROKEN_AFTER)
+            log.error("model %s failed every task of %d calls in a row: /ping and invocations answer 503 from now "
+                      "on, for SageMaker to replace this instance", name, BROKEN_AFTER)
 
     def _predict(self, model, inputs: list[str]) -> list:
         limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)

@@ -376,9 +376,13 @@ class Pipeline:
         preparer.join()
 
     def _watch_the_model(self, outcomes: list[Outcome]) -> None:
-        if self._model_watch.saw([o.error_code if o.error else None for o in outcomes]) and not self.broken:
-            log.error("the model failed every task of %d batches in a row: stopping this worker (exit 1) rather "
-                      "than fail the rest of the queue", BROKEN_AFTER)
+        by_model: dict[str, list[str | None]] = {}
+        for o in outcomes:
+            by_model.setdefault(o.job.message.model, []).append(o.error_code if o.error else None)
+        broken = [model for model, codes in by_model.items() if self._model_watch.saw(model, codes)]
+        if broken and not self.broken:
+            log.error("model %s failed every task of %d batches in a row: stopping this worker (exit 1) rather "
+                      "than fail the rest of the queue", broken[0], BROKEN_AFTER)
             self.broken = True
             self.stopping.set()
             if self.on_broken:

@@ -211,3 +211,22 @@ def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before
     assert all(records[t].error_code == "model_error" and records[t].status == TaskStatus.queued for t in tried)
     untouched = set(ids) - set(tried)
     visible_again(settings, untouched, "the untried tasks visible again")
+
+
+def test_a_broken_model_stops_the_worker_however_well_another_model_works(settings):
+    # A sticky CUDA error breaks the GPU model; a CPU model beside it keeps
+    # succeeding, in the same batches, which must not reset the count.
+    settings = settings.model_copy(update={"max_batch_size": 4, "max_wait_ms": 200,
+                                           "models": "minilm-embed,synthetic"})
+    service = TaskService(settings)
+    for i in range(8):  # pairs of each: a batch of 4 holds both models
+        for model in ("minilm-embed", "minilm-embed", "synthetic", "synthetic"):
+            service.submit("tenant-a", SubmitRequest(model=model, inputs=[f"t{i}"]), None)
+    worker = Worker(settings, {"minilm-embed": BrokenDevice(), "synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    code = []
+    thread = running(worker, code)
+    thread.join(30)
+    if thread.is_alive():
+        worker.stop()
+        thread.join(20)
+    assert code == [1], "the worker kept running on a model that fails everything"

@@ -307,6 +307,24 @@ def fail_every_task(port, calls, n_tasks=2):
         assert status == 200 and {a["error"]["code"] for a in body["tasks"]} == {"model_error"}, body
 
 
+def test_a_broken_model_is_found_however_well_another_model_of_the_endpoint_works():
+    # A sticky CUDA error breaks the GPU model; a CPU model beside it (the
+    # stack serves synthetic too) keeps answering, which must not reset the count.
+    gpu, cpu = Recording(), Recording()
+    gpu.broken = True
+    endpoint = serve.Endpoint({"gpu": gpu, "cpu": cpu}, default_model="cpu")
+
+    def invoke(model):
+        return endpoint.invoke(json.dumps({"model": model, **tasks_of("x", "y")}).encode(), "application/json")
+
+    for _ in range(serve.BROKEN_AFTER - 1):
+        assert {a.error.code for a in invoke("gpu").tasks} == {"model_error"}
+        assert not endpoint.broken
+        assert all(a.result for a in invoke("cpu").tasks)
+    assert {a.error.code for a in invoke("gpu").tasks} == {"model_error"}
+    assert endpoint.broken
+
+
 def test_ping_answers_503_once_the_model_failed_every_task_of_broken_after_calls(server):
     port, model = server
     model.broken = True

@@ -18,7 +18,7 @@ def test_without_the_switch_the_markers_are_ordinary_text(monkeypatch):
     for _ in range(BROKEN_AFTER):
         codes = run_isolating(lambda items: [None] * len(model.predict_batch(items)),
                               [f"{i} {CRASH_MARKER}" for i in range(4)], lambda _item, _exc: MODEL_ERROR)
-        broken = watch.saw(codes)
+        broken = watch.saw(model.name, codes)
     assert not broken
 
 
