@@ -11,9 +11,10 @@ from sluice.lifecycle import MODEL_ERROR, Outcome
 from sluice.worker.runner import BROKEN_AFTER, Pipeline
 
 
-def ran(*codes):
-    """One batch's outcomes: each task's error code, None for a result."""
-    return [Outcome(job=SimpleNamespace(), error=None if c is None else "RuntimeError: CUDA error",
+def ran(*codes, model="minilm-embed"):
+    """One batch's outcomes of `model`: each task's error code, None for a result."""
+    job = SimpleNamespace(message=SimpleNamespace(model=model))
+    return [Outcome(job=job, error=None if c is None else "RuntimeError: CUDA error",
                     error_code=c or MODEL_ERROR) for c in codes]
 
 
@@ -44,3 +45,8 @@ def test_a_batch_that_says_nothing_about_the_device_does_not_start_the_count_aga
 def test_a_batch_in_which_a_task_succeeds_starts_the_count_again(success):
     assert not watch([ran(MODEL_ERROR, MODEL_ERROR)] * (BROKEN_AFTER - 1) + [success]
                      + [ran(MODEL_ERROR, MODEL_ERROR)] * (BROKEN_AFTER - 1))
+
+
+def test_a_model_that_works_does_not_start_the_count_of_another_again():
+    # A GPU model after a sticky CUDA error, a CPU model beside it in the same batches.
+    assert watch([ran(MODEL_ERROR, MODEL_ERROR) + ran(None, None, model="synthetic")] * BROKEN_AFTER)
