@@ -200,8 +200,8 @@ class Settings(BaseSettings):
 
 
 def model_names_of(models: str) -> list[str]:
-    """The names in a SLUICE_MODELS value (comma-separated, blanks ignored)."""
-    return [m.strip() for m in models.split(",") if m.strip()]
+    """The names in a SLUICE_MODELS value (comma-separated, blanks and repeats ignored)."""
+    return list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
 
 
 def models_problem(models: str) -> PydanticCustomError | None:

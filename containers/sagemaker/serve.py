@@ -186,7 +186,7 @@ class Endpoint:
                                f"request body is over {self.max_payload_bytes} bytes")
         try:
             request = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than the parser goes: no request of ours
             raise RequestError(HTTPStatus.BAD_REQUEST, "malformed_json", "the request body is not valid JSON") from None
         # A bare list is the batch itself; an object names the model too.
         if isinstance(request, list):
@@ -348,7 +348,7 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self._drain()
                 return self._error(HTTPStatus.NOT_FOUND, "not_found", f"no route {self.path}")
             length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            if length is None or not (length.isascii() and length.isdigit()):  # "²".isdigit(), but int() refuses it
                 self.close_connection = True
                 return self._error(HTTPStatus.LENGTH_REQUIRED, "length_required", "send a Content-Length")
             if int(length) > endpoint.max_payload_bytes:
@@ -382,7 +382,7 @@ def make_handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
 
         def _drain(self):
             length = self.headers.get("Content-Length", "0")
-            if length.isdigit() and int(length) <= endpoint.max_payload_bytes:
+            if length.isascii() and length.isdigit() and int(length) <= endpoint.max_payload_bytes:
                 self.rfile.read(int(length))
             else:
                 self.close_connection = True

@@ -106,6 +106,7 @@ def test_a_bare_list_is_the_batch_and_keep_alive_reuses_the_connection(server):
     ("body", "content_type", "status", "code"),
     [
         (b"{not json", "application/json", 400, "malformed_json"),
+        (b"[" * 16000, "application/json", 400, "malformed_json"),  # deeper than the parser recurses
         ({"inputs": []}, "application/json", 400, "validation_error"),
         ({"inputs": "one string"}, "application/json", 400, "validation_error"),
         ({"inputs": ["ok", 3]}, "application/json", 400, "validation_error"),
@@ -123,6 +124,18 @@ def test_bad_requests_get_json_errors(server, body, content_type, status, code):
     port, _ = server
     got_status, got = call(port, "POST", "/invocations", body, content_type)
     assert (got_status, got["error"]["code"]) == (status, code)
+
+
+def test_a_content_length_of_other_than_ascii_digits_is_refused_with_411(server):
+    # "²" passes str.isdigit() but not int(): the connection was dropped unanswered.
+    port, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("POST", "/invocations")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", "\u00b2".encode("latin-1"))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert (response.status, json.loads(response.read())["error"]["code"]) == (411, "length_required")
 
 
 def test_a_model_crash_is_500_without_internals(server):

@@ -175,6 +175,9 @@ def test_an_unknown_model_is_named_beside_the_catalogue(monkeypatch):
                                   "the catalogue has minilm-embed, synthetic")
     monkeypatch.setenv("SLUICE_MODELS", " synthetic , minilm-embed ")
     assert Settings().model_names() == ["synthetic", "minilm-embed"]
+    # Named twice, loaded once: a second copy would double the load's time and peak memory.
+    monkeypatch.setenv("SLUICE_MODELS", "minilm-embed,synthetic,minilm-embed")
+    assert Settings().model_names() == ["minilm-embed", "synthetic"]
 
 
 def test_checking_the_models_never_imports_torch():
