@@ -141,13 +141,20 @@ def _call(method: str, path: str, body: dict | None = None, args=None,
     timeout_s = _TIMEOUT_S if timeout_s is None else timeout_s
     url = _base_url(args)
     key = getattr(args, "api_key", None) or os.environ.get("SLUICE_API_KEY") or _state().get("api_key")
-    request = urllib.request.Request(
-        url.rstrip("/") + path,
-        method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={k: _on_the_wire(v) for k, v in
-                 {"content-type": "application/json", **({"x-api-key": key} if key else {}), **(headers or {})}.items()},
-    )
+    if key and _has_control_character(key):  # the value is a secret: named by where it came from, never shown
+        raise ApiUnusable("sluice: the API key (--api-key, SLUICE_API_KEY or the make run state) has a control "
+                          "character, a line end read with it from a file, say: no request can carry it",
+                          transient=False)
+    try:
+        request = urllib.request.Request(
+            url.rstrip("/") + path,
+            method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={k: _on_the_wire(v) for k, v in {"content-type": "application/json",
+                                                      **({"x-api-key": key} if key else {}), **(headers or {})}.items()},
+        )
+    except ValueError as err:  # urllib's parse of the URL: "Invalid IPv6 URL", say
+        raise ApiUnusable(f"sluice: cannot use the URL {url}: {err}", transient=False) from None
     try:
         try:
             response = _OPENER.open(request, timeout=timeout_s)
@@ -357,7 +364,13 @@ def _task_id(value: str) -> str:
 def _idempotency_key(value: str) -> str:
     if not 1 <= len(value.encode()) <= MAX_IDEMPOTENCY_KEY_CHARS:
         raise argparse.ArgumentTypeError(f"an Idempotency-Key is 1-{MAX_IDEMPOTENCY_KEY_CHARS} bytes in UTF-8")
+    if _has_control_character(value):  # no HTTP header can carry one
+        raise argparse.ArgumentTypeError("an Idempotency-Key has no control character (a line end, a tab)")
     return value
+
+
+def _has_control_character(value: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in value)
 
 
 def _at_least_1(value: str) -> int:
@@ -515,8 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"sluice: refused settings:\n{exc}", file=sys.stderr)
         return 1
-    except (BotoCoreError, ClientError) as exc:
-        # A wrong prefix, table, region or credentials: one line with what was used, not a traceback.
+    except (BotoCoreError, ClientError, ValueError) as exc:
+        # A wrong prefix, table, region, credentials or endpoint: one line with what was used, not a traceback.
+        if isinstance(exc, ValueError) and not str(exc).startswith("Invalid endpoint"):  # botocore's, for a URL
+            raise
         command = " ".join(filter(None, (args.command, getattr(args, "keys_command", None), getattr(args, "action", None))))
         error = str(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, ProfileNotFound):

@@ -212,6 +212,14 @@ def test_revoking_an_unknown_key_is_one_line_and_exit_1(settings, monkeypatch, c
     assert err.startswith("sluice keys revoke: no ") and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_aws_endpoint_without_its_scheme_is_one_line_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "localhost:4566")
+    assert cli.main(["keys", "create", "--tenant", "team-e"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sluice keys create: ") and len(err.strip().splitlines()) == 1, err
+    assert "AWS_ENDPOINT_URL localhost:4566" in err
+
+
 def test_a_result_prints_each_embedding_on_one_line():
     payload = {"status": "succeeded", "result": {"embeddings": [[0.1, -0.2, 3], [0.5]], "dim": 384},
                "error": None, "metadata": {}, "flags": [True, False]}

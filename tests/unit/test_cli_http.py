@@ -321,3 +321,21 @@ def test_a_url_that_is_not_ascii_is_one_line_not_a_traceback(capsys):
     assert cli.main(["--url", "http://127.0.0.1:9/ü", "--api-key", "k", "get", "t1"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not ASCII" in err, err
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--api-key", "sk_abc\r"], "--api-key"),  # read from a file saved with Windows line ends, say
+    (["--api-key", "k", "--url", "http://[::1"], "http://[::1"),
+])
+def test_a_key_or_url_that_cannot_go_into_a_request_is_one_line_not_a_traceback(capsys, options, named):
+    assert cli.main([*options, "get", "t1"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err and "sk_abc" not in err, err
+
+
+def test_an_idempotency_key_with_a_control_character_is_refused_before_any_request(scripted, capsys):
+    url, api = scripted
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--url", url, "--api-key", "k", "submit", "--idempotency-key", "job\n42", "hello"])
+    assert refused.value.code == 2 and "control character" in capsys.readouterr().err
+    assert api.post_keys == []
