@@ -20,6 +20,7 @@ the launcher with an error, rather than restarting forever.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATE_DIR = Path(os.environ.get("SLUICE_STATE_DIR", ROOT / ".sluice"))
+# Unset or empty: the repository's .sluice/ (an empty value is not the current folder).
+STATE_DIR = Path(os.environ.get("SLUICE_STATE_DIR") or ROOT / ".sluice")
 STATE_FILE = STATE_DIR / "embedded.json"
 # Held (flock) by the launcher using STATE_DIR while it runs: its logs, its
 # LocalStack data and the state file the CLI reads are one launcher's only.
@@ -125,6 +127,20 @@ def one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise RefusedSetting(f"{name}={value!r}: should be one of {', '.join(allowed)}")
     return value
+
+
+# What the CLI drops too before it talks to the emulator (sluice/cli.py).
+OPERATOR_AWS_SETTINGS = frozenset({"AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"})
+
+
+def demo_key() -> str | None:
+    """SLUICE_API_KEY, if set: one the API can match. It reads a header's bytes
+    as Latin-1 and strips its ends, and keys are stored by the hash of their
+    UTF-8 bytes: any other key would be answered 403 however it was sent."""
+    key = os.environ.get("SLUICE_API_KEY") or None
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+        raise RefusedSetting(f"SLUICE_API_KEY={key!r}: should be printable ASCII without spaces at either end")
+    return key
 
 
 SQS_EMULATORS = ("moto", "localstack")
@@ -293,14 +309,21 @@ class Stack:
             raise StartupStopped("stopped during start-up")
 
     def wait(self, url: str, timeout_s: float, alive: subprocess.Popen) -> None:
-        wait_http(url, timeout_s, alive=alive, stop=self.stop_asked)
+        try:
+            wait_http(url, timeout_s, alive=alive, stop=self.stop_asked)
+        except RuntimeError as exc:  # it exited: the end of its log says why
+            name = next((n for n, p in self.procs.items() if p is alive), None)
+            raise RuntimeError(f"{exc}: {self.last_lines(name)}" if name else str(exc)) from None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+        # The emulator's endpoints, region and keys, whatever the operator's AWS
+        # settings: a profile of theirs (one named but missing, say) has no say here.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("AWS_ENDPOINT_URL") and k not in OPERATOR_AWS_SETTINGS}
         env.update(emulator_env(self.emulator_port, self.sqs_url, self.ddb_url))
         env.setdefault("SLUICE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.workers))))
         env["PYTHONUNBUFFERED"] = "1"
@@ -383,29 +406,32 @@ class Stack:
         args, env = localstack_command(self.sqs_port, self.log_dir / "localstack-data")
         return self._spawn("sqs", args, env=env, on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
-    def bootstrap(self) -> None:
+    @contextlib.contextmanager
+    def environ(self):
+        """This process's environment as the stack's processes get it, for the
+        calls the launcher makes itself; the operator's again after."""
         saved = dict(os.environ)
+        os.environ.clear()
         os.environ.update(self.env())
         try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def bootstrap(self) -> None:
+        with self.environ():
             from sluice.bootstrap import ensure_resources
             from sluice.settings import Settings
 
             ensure_resources(Settings())
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
 
     def create_key(self, tenant: str, key: str | None = None) -> str:
-        saved = dict(os.environ)
-        os.environ.update(self.env())
-        try:
+        with self.environ():
             from sluice.adapters.api_keys import ApiKeys
             from sluice.settings import Settings
 
             return ApiKeys(Settings()).create(tenant, key)[0]
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
 
     def start_api(self) -> None:
         self.check_api_port()  # again: the emulator's start left time for another server to take it
@@ -418,9 +444,12 @@ class Stack:
         another server may hold the port."""
         proc = self.procs[name]
         if proc.poll() is not None:
-            tail = self.log_since_start(name).decode(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"{name} exited with {proc.returncode} although {self.url} answers "
-                               f"(another server on port {self.api_port}?): {' | '.join(tail)}")
+                               f"(another server on port {self.api_port}?): {self.last_lines(name)}")
+
+    def last_lines(self, name: str, n: int = 3) -> str:
+        """The end of what this run of a process logged, on one line."""
+        return " | ".join(self.log_since_start(name).decode(errors="replace").strip().splitlines()[-n:])
 
     def start_worker(self, index: int) -> subprocess.Popen:
         return self._spawn(f"worker-{index}", [sys.executable, "containers/worker/main.py"])
@@ -598,10 +627,14 @@ def hold_state_dir() -> int:
 def main(argv: list[str] | None = None) -> int:
     # SLUICE_PORT=80a or a misspelled emulator: one line naming the variable, as
     # sluice.settings words them, not a traceback.
+    from sluice.settings import SettingsError, log_level
+
     try:
         port, workers = env_int("SLUICE_PORT", 8000, 1, 65535), env_int("SLUICE_WORKERS", 2, 0)
         sqs, ddb = default_sqs(), default_ddb()
-    except RefusedSetting as exc:
+        key = demo_key()
+        log_level()  # the API and the workers would each exit on it, said only in their logs
+    except (RefusedSetting, SettingsError) as exc:
         say(f"embedded: refused settings: {exc}", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -637,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(f"starting emulator, API on 127.0.0.1:{args.port} and {args.workers} workers ...")
         stack.start()
-        key = stack.create_key("demo", os.environ.get("SLUICE_API_KEY") or None)
+        key = stack.create_key("demo", key)
         stack.write_state(key)
         wrote_state = True
         if not signals:

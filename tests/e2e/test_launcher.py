@@ -312,6 +312,11 @@ def test_a_second_ctrl_c_kills_what_the_first_would_wait_for(tmp_path):
     ("SLUICE_WORKERS", "two", "should be a whole number of 0 or more"),
     ("SLUICE_EMBEDDED_SQS", "locastack", "should be one of moto, localstack"),
     ("SLUICE_EMBEDDED_DDB", "dynalyte", "should be one of moto, dynalite"),
+    # The API reads a header's bytes as Latin-1 and strips its ends: such a key never authenticates.
+    ("SLUICE_API_KEY", "clé-demo", "should be printable ASCII without spaces at either end"),
+    ("SLUICE_API_KEY", "sk_demo ", "should be printable ASCII without spaces at either end"),
+    # Said by the API's log only, after a "the process serving ... exited with 2".
+    ("SLUICE_LOG_LEVEL", "bogus", "should be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)"),
 ])
 def test_a_setting_it_cannot_use_is_refused_in_one_line(tmp_path, name, value, why):
     # A misspelled emulator used to run moto instead, unnoticed; a bad number, a traceback.
@@ -323,6 +328,32 @@ def test_a_setting_it_cannot_use_is_refused_in_one_line(tmp_path, name, value, w
     assert code == 2, launcher.text
     assert launcher.text.strip() == f"embedded: refused settings: {name}={value!r}: {why}"
     assert not (tmp_path / "logs").exists(), "something was started anyway"
+
+
+def test_the_stack_s_processes_and_calls_leave_the_operator_s_aws_profile_out(monkeypatch):
+    # A profile named but missing (~/.aws absent) failed the bootstrap's first call.
+    monkeypatch.setenv("AWS_PROFILE", "nosuch")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "operator-token")
+    stack = Stack(api_port=8000, sqs="moto", ddb="moto")
+    assert not {"AWS_PROFILE", "AWS_SESSION_TOKEN"} & set(stack.env())
+    with stack.environ():
+        assert not {"AWS_PROFILE", "AWS_SESSION_TOKEN"} & set(os.environ)
+        assert os.environ["AWS_ENDPOINT_URL"] == stack.env()["AWS_ENDPOINT_URL"]
+    assert os.environ["AWS_PROFILE"] == "nosuch"
+
+
+def test_a_process_that_exits_while_started_is_reported_with_the_end_of_its_log(tmp_path):
+    stack = Stack(api_port=free_port(), sqs="moto", ddb="moto", log_dir=tmp_path)
+    proc = stack._spawn("api", [sys.executable, "-c", "import sys; print('refused: SLUICE_X'); sys.exit(2)"])
+    with pytest.raises(RuntimeError, match=r"exited with 2: refused: SLUICE_X$"):
+        stack.wait(f"{stack.url}/health", 30, alive=proc)
+
+
+def test_an_empty_state_dir_setting_is_the_default_folder_not_the_current_one():
+    code = "import onprem.embedded as e; print(e.STATE_DIR)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SLUICE_STATE_DIR": ""}, cwd="/tmp",
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == str(ROOT / ".sluice")
 
 
 def test_the_state_file_is_private_from_its_creation(tmp_path, monkeypatch):
