@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 from botocore.exceptions import ClientError
 
@@ -24,11 +23,6 @@ def ensure_resources(settings: Settings) -> dict[str, str]:
     return urls
 
 
-def bootstraps_on_start() -> bool:
-    """Whether this process creates what is missing as it starts (SLUICE_BOOTSTRAP_ON_START=1)."""
-    return os.environ.get("SLUICE_BOOTSTRAP_ON_START", "").lower() in ("1", "true")
-
-
 def ensure_resources_on_start(settings: Settings) -> None:
     """The on-prem containers' first step when SLUICE_BOOTSTRAP_ON_START=1 (set by
     onprem/compose.yaml and onprem/k8s/onprem/config.yaml). LocalStack keeps
@@ -39,7 +33,7 @@ def ensure_resources_on_start(settings: Settings) -> None:
     ends the process, and its restart policy tries again. Elsewhere (AWS, where
     the stack owns the resources and the roles may not create them) it does nothing.
     Its callers have refused bad settings first, each in its own line."""
-    if not bootstraps_on_start():
+    if not settings.bootstrap_on_start:
         return
     ensure_resources(settings)
     log.info("queues, tables and bucket are in place")

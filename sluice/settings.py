@@ -154,6 +154,15 @@ class Settings(BaseSettings):
         default=30.0, gt=0, allow_inf_nan=False,
         description="A worker whose receives find a queue missing this long, none working in between, exits 75 "
                     "for its orchestrator to restart it (on-prem, the restart's bootstrap recreates the queues).")
+    bootstrap_on_start: bool = Field(
+        default=False,
+        description="The API and the workers create the queues, tables and bucket that are missing as they start "
+                    "(on-prem: LocalStack keeps them in memory); on AWS the stack owns them (sluice.bootstrap).")
+
+    @field_validator("bootstrap_on_start", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: Any) -> Any:
+        return False if value == "" else value
 
     @field_validator("models")
     @classmethod

@@ -26,7 +26,7 @@ import time
 from botocore.exceptions import ClientError
 
 from sluice.adapters.queues import PriorityQueues, Received
-from sluice.bootstrap import bootstraps_on_start, ensure_resources_on_start
+from sluice.bootstrap import ensure_resources_on_start
 from sluice.contract import Priority
 from sluice.dlq import settle_loop
 from sluice.settings import Settings, SettingsError, log_level
@@ -62,7 +62,7 @@ class Worker:
     def __init__(self, settings: Settings, models: dict):
         self.settings = settings
         # Only where a restart recreates a missing queue does a missing queue end the worker.
-        self.restart_recreates_queues = bootstraps_on_start()
+        self.restart_recreates_queues = settings.bootstrap_on_start
         self.queues_missing = False  # run() then returns EXIT_QUEUE_MISSING
         self.queues = PriorityQueues(settings)
         self.policy = WeightedPriorityPolicy(settings.weights())

@@ -125,10 +125,9 @@ def test_errors_a_retry_can_outlast_are_retried_for_as_long_as_they_last(setting
     # A limit far shorter than the receives below span: were these errors taken
     # for a missing queue, the receiver would have stopped the worker by then.
     # With the bootstrap on, as on-prem: only then does a missing queue stop a worker.
-    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", "1")
     if error == "connection refused":
         monkeypatch.setenv("AWS_ENDPOINT_URL_SQS", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1}),
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1, "bootstrap_on_start": True}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     calls, enough = [], threading.Event()
     if error == "throttled":
@@ -152,10 +151,9 @@ def always_missing(*_):
 
 
 def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, monkeypatch):
-    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", "1")
     # Missing, missing, found (a bootstrap elsewhere recreated it), ...: no run of
     # "missing" lasts the limit, though together they last far longer.
-    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0, "bootstrap_on_start": True}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     answers = iter(([MISSING, MISSING, []] * 100))
 
@@ -172,7 +170,7 @@ def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, 
     assert_still_receiving_when(worker, enough, "a tenth receive")
 
     # The queue never found again: the receiver stops the worker once the limit is past.
-    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0}),
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 1.0, "bootstrap_on_start": True}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
 
     monkeypatch.setattr(worker.queues, "receive", always_missing)
@@ -184,8 +182,7 @@ def test_a_receive_that_finds_the_queue_again_starts_the_count_afresh(settings, 
 def test_where_no_restart_recreates_queues_a_missing_one_is_said_not_exited_on(settings, monkeypatch, caplog):
     # On AWS the stack owns the queues, and SQS answers "does not exist" to a role
     # that may not use one too: a restart cannot help, an operator can.
-    monkeypatch.delenv("SLUICE_BOOTSTRAP_ON_START", raising=False)
-    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1}),
+    worker = Worker(settings.model_copy(update={"queue_missing_exit_s": 0.1, "bootstrap_on_start": False}),
                     {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
     calls, enough = [], threading.Event()
     monkeypatch.setattr(worker.queues, "receive", counting(always_missing, calls, enough, after=4))

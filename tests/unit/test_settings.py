@@ -288,3 +288,17 @@ def test_a_hung_dependency_gets_three_tries_in_all(monkeypatch):
         assert mute.requests == tries
     finally:
         mute.close()
+
+
+@pytest.mark.parametrize("raw, on", [("1", True), ("true", True), ("yes", True), ("ON", True),
+                                     ("0", False), ("off", False), ("", False)])
+def test_bootstrap_on_start_takes_the_booleans_other_settings_take(monkeypatch, raw, on):
+    # "yes" and "on" were read as off without a word.
+    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", raw)
+    assert Settings().bootstrap_on_start is on
+
+
+def test_a_bootstrap_on_start_that_is_no_boolean_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("SLUICE_BOOTSTRAP_ON_START", "sometimes")
+    with pytest.raises(SettingsError, match="SLUICE_BOOTSTRAP_ON_START='sometimes'"):
+        Settings()
