@@ -515,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_dlq)
 
     args = parser.parse_args(argv)
+    if args.command in ("keys", "bootstrap", "dlq") and (args.url or args.api_key):
+        parser.error("--url and --api-key are for submit, get and cancel; keys, bootstrap and dlq call AWS "
+                     "directly (AWS_ENDPOINT_URL, AWS_REGION, SLUICE_QUEUE_PREFIX, or the running `make run`)")
     try:
         return args.func(args)
     except KeyboardInterrupt:  # what it means for a submit is on stderr already

@@ -220,6 +220,15 @@ def test_an_aws_endpoint_without_its_scheme_is_one_line_naming_it(monkeypatch, c
     assert "AWS_ENDPOINT_URL localhost:4566" in err
 
 
+@pytest.mark.parametrize("command", [["keys", "create", "--tenant", "team-f"], ["bootstrap"], ["dlq", "list"]])
+def test_the_api_s_url_and_key_given_to_an_aws_command_are_refused_not_ignored(capsys, command):
+    # Ignored, they left an operator thinking the command reached that API's deployment.
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--url", "https://sluice.example.com", *command])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--url and --api-key are for submit, get and cancel" in err, err
+
+
 def test_a_result_prints_each_embedding_on_one_line():
     payload = {"status": "succeeded", "result": {"embeddings": [[0.1, -0.2, 3], [0.5]], "dim": 384},
                "error": None, "metadata": {}, "flags": [True, False]}
