@@ -193,17 +193,22 @@ class BrokenDevice(SyntheticModel):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
-def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before_it_fails_the_queue(settings):
-    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 200})
-    ids = submit(settings, 12)
-    worker = Worker(settings, {"synthetic": BrokenDevice()})
+def exit_code_of(worker: Worker, within_s: float) -> int | None:
+    """What run() returns if the worker ends within `within_s`; else it is stopped first."""
     code = []
     thread = running(worker, code)
-    thread.join(60)
+    thread.join(within_s)
     if thread.is_alive():
         worker.stop()
         thread.join(20)
-    assert code == [1], "the worker kept running on a model that fails everything"
+    return code[0] if code else None
+
+
+def test_a_model_that_fails_every_task_batch_after_batch_stops_the_worker_before_it_fails_the_queue(settings):
+    settings = settings.model_copy(update={"max_batch_size": 2, "max_wait_ms": 200})
+    ids = submit(settings, 12)
+    assert exit_code_of(Worker(settings, {"synthetic": BrokenDevice()}), 60) == 1, \
+        "the worker kept running on a model that fails everything"
     records = TaskStore(settings).get_many(ids)
     tried = [t for t in ids if records[t].attempts]
     # Three batches of two, each task failed alone after bisection; the rest untouched, and back in the queue.
@@ -223,10 +228,4 @@ def test_a_broken_model_stops_the_worker_however_well_another_model_works(settin
         for model in ("minilm-embed", "minilm-embed", "synthetic", "synthetic"):
             service.submit("tenant-a", SubmitRequest(model=model, inputs=[f"t{i}"]), None)
     worker = Worker(settings, {"minilm-embed": BrokenDevice(), "synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
-    code = []
-    thread = running(worker, code)
-    thread.join(30)
-    if thread.is_alive():
-        worker.stop()
-        thread.join(20)
-    assert code == [1], "the worker kept running on a model that fails everything"
+    assert exit_code_of(worker, 30) == 1, "the worker kept running on a model that fails everything"
