@@ -191,8 +191,8 @@ def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100
 
 
 def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
-                limit: int = 100, scan: int = _SCAN, known_final: set[tuple[str, int]] | None = None,
-                ) -> dict[str, int]:
+                limit: int = 100, scan: int = _SCAN,
+                known_final: set[tuple[str, int]] | None = None) -> dict[str, int]:
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue

@@ -42,10 +42,10 @@ log = logging.getLogger("sluice.worker")
 # missing, with no receive that worked in between, before the worker exits with
 # this, so that its orchestrator restarts it.
 EXIT_QUEUE_MISSING = 75  # EX_TEMPFAIL: a restart may well succeed
-# A queue that does not exist, as botocore reports it: the error's Code, and its
-# QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
 # How long a stopping worker waits, after its own hand-back, for stop()'s.
 HAND_BACK_ON_EXIT_S = 15.0
+# A queue that does not exist, as botocore reports it: the error's Code, and its
+# QueryErrorCode (SQS's JSON protocol carries both; AWS, LocalStack and moto alike).
 QUEUE_MISSING_CODES = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
 
 
