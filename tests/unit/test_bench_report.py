@@ -109,3 +109,14 @@ def test_a_gpu_run_judges_the_workers_efficiency_on_the_gpu_too(results):
                     "drain_64x": {"gpu_util_pct": 20.0, "efficiency_vs_raw": 0.5}})
     [row] = [r for r in report.rows() if r.target.startswith("2. Worker efficiency on a GPU")]
     assert row.met is False and "drain_64x: **0.5**" in row.measured
+
+
+def test_the_gpu_rows_judge_only_what_sluice_ships_and_efficiency_on_one_worker(results):
+    # Target 2 is one worker's drain; the switch interval is a bench-only setting.
+    results("gpu", {"drain_1024": {"workers": 1, "gpu_util_pct": 40.0, "efficiency_vs_raw": 0.45},
+                    "drain_1024_4_workers": {"workers": 4, "gpu_util_pct": 80.0, "efficiency_vs_raw": 0.93},
+                    "drain_1024_64_per_task_switch_0_5ms": {"workers": 1, "gpu_util_pct": 95.0,
+                                                            "efficiency_vs_raw": 0.95}})
+    rows = {r.target[:2]: r for r in report.rows() if r.target.startswith(("2. Worker efficiency on", "6."))}
+    assert rows["2."].met is False and "drain_1024: **0.45**" in rows["2."].measured
+    assert rows["6."].met is False and "drain_1024_4_workers: **80.0%**" in rows["6."].measured
