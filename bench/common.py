@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import platform
 import shlex
@@ -345,8 +346,24 @@ class LoadResult:
     def summary(self) -> dict:
         done = len(self.latencies)
         return {"completed": done, "errors": len(self.errors), "error_examples": self.errors[:3],
-                "seconds": round(self.seconds, 2), "per_s": round(done / max(1e-9, self.seconds), 1),
+                "seconds": round(self.seconds, 2), "per_s": round(done / max(1e-9, self.seconds), 3),
                 **lat_summary(self.latencies), **self.extra}
+
+
+def at_least(a: float | None, b: float | None) -> float | None:
+    """a / b for a target it must reach (0.8, 3x): four places, rounded down,
+    so that 0.79989 reads 0.7998, never 0.8. From rates kept to three places,
+    not the tenths they are shown in: 529.96 / 662.54 would be 530.0 / 662.5 = 0.8."""
+    if not a or not b:
+        return None
+    return math.floor(round(a / b * 10_000, 6)) / 10_000  # round(): 0.8 * 10_000 is 7999.999...
+
+
+def at_most(a: float | None, b: float | None) -> float | None:
+    """a / b for a target it must stay under (1/5): four places, rounded up."""
+    if not a or not b:
+        return None
+    return math.ceil(round(a / b * 10_000, 6)) / 10_000
 
 
 def closed_loop(n_requests: int, clients: int, make_client, one_request, timeout_s: float) -> LoadResult:

@@ -21,6 +21,7 @@ fit is skipped and flagged, so the whole command stays under the device's
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 
-from bench.common import ROOT, default_ddb, flag, log, raise_if_flagged, save
+from bench.common import ROOT, at_least, default_ddb, flag, log, raise_if_flagged, save
 from bench.worker import drain, raw_many
 
 # The worker drains at another switch interval go through this folder's
@@ -162,6 +163,11 @@ class Sampler:
         return round(sum(s) / len(s), 1) if s else None
 
 
+def mean_rounded_down(samples: list[float]) -> float | None:
+    """Utilization over a window, to two places rounded down: judged against 90%."""
+    return math.floor(round(sum(samples) / len(samples) * 100, 6)) / 100 if samples else None
+
+
 def gil_contention(batch: int, threads: int, device: str, seconds: float, timeout_s: float) -> dict:
     """bench/gil_contention.py in its own process; its last line is its result."""
     out = subprocess.run([sys.executable, "-m", "bench.gil_contention", "--batch", str(batch), "--threads",
@@ -248,7 +254,7 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
         b = r["batch"]
         w = work(b, r["padded_length_batches"], peak, bandwidth)
         window = s.window(r["window_start_s"], r["window_end_s"])
-        r["gpu_util_pct"] = round(sum(window) / len(window), 2) if window else None
+        r["gpu_util_pct"] = mean_rounded_down(window)
         r["gpu_util_samples"] = len(window)
         r["tflops"] = round(w["flops"] / r["seconds"] / 1e12, 3)
         r["flops_per_sentence"] = round(w["flops"] / r["sentences"])
@@ -320,12 +326,12 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
             window = s.window(start_s, end_s)
             # Two places, four for the ratio: the report judges them against 90% and
             # 0.9, which 89.96 and 0.8996 rounded further would pass.
-            d["gpu_util_pct"] = round(sum(window) / len(window), 2) if window else None
+            d["gpu_util_pct"] = mean_rounded_down(window)
             d["gpu_util_samples"] = len(window)
             if len(window) < 5:
                 flag(results, f"{key}: {len(window)} utilization samples over its span")
             if ref:
-                d["efficiency_vs_raw"] = round(d["inputs_per_s"] / ref["per_s"], 4)
+                d["efficiency_vs_raw"] = at_least(d["inputs_per_s"], ref["per_s"])
                 d["efficiency_vs_raw_batch"] = big
                 full = (d.get("inference") or {}).get("full_batch_p50_ms")
                 if full:  # the worker's forward of a full batch against the raw loop's

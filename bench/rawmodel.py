@@ -73,7 +73,7 @@ def measure_loaded(model, batch: int, threads: int, seconds: float, dtype: str) 
         [texts[(start + j) % TEXTS] for j in range(batch)])) for start, times in starts.items())
     padded = sum(length * batch * times for length, times in lengths.items())
     return {"batch": batch, "threads": threads, "dtype": dtype, "device": str(model.device),
-            "sentences": n, "seconds": round(elapsed, 2), "per_s": round(n / elapsed, 1),
+            "sentences": n, "seconds": round(elapsed, 2), "per_s": round(n / elapsed, 3),
             "window_start_s": round(window_start, 3), "window_end_s": round(window_end, 3),
             "tokens_padded": padded, "tokens_real": real,
             "padded_length_batches": {str(k): v for k, v in sorted(lengths.items())},

@@ -501,3 +501,13 @@ def test_the_suite_cut_off_by_sigterm_stops_what_its_benchmark_started(tmp_path)
     finally:
         proc.kill()
     assert marker.read_text() == "stopped"
+
+
+def test_a_ratio_judged_against_a_floor_or_a_ceiling_is_rounded_toward_failing_it():
+    # 529.96 / 662.54 = 0.79989: to the nearest, 0.7999 at four places, but 0.8
+    # from rates rounded to tenths (530.0 / 662.5), which the report reads as met.
+    assert bench.common.at_least(529.96, 662.54) == 0.7998
+    assert bench.common.at_least(0.8, 1.0) == 0.8  # no float artefact pushes an exact one under
+    assert bench.common.at_most(0.20004, 1.0) == 0.2001
+    assert bench.common.at_most(0.2, 1.0) == 0.2
+    assert bench.common.at_least(None, 3.0) is None and bench.common.at_most(1.0, 0) is None
