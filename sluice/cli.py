@@ -468,12 +468,15 @@ def cmd_dlq(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice client and operator commands.")
-    parser.add_argument("--url", help="API base URL (default: SLUICE_URL, or the running `make run`)")
-    parser.add_argument("--api-key", help="API key (default: SLUICE_API_KEY, or the demo key of `make run`)")
+    parser.add_argument("--url", help="API base URL, for submit, get and cancel (default: SLUICE_URL, or the "
+                                      "running `make run`); keys, bootstrap and dlq call AWS and refuse it")
+    parser.add_argument("--api-key", help="API key, for submit, get and cancel (default: SLUICE_API_KEY, or the demo "
+                                          "key of `make run`); keys, bootstrap and dlq refuse it")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="submit one task", epilog="exit status: 0 submitted, or with --wait succeeded; "
-                       "1 the API refused it or could not be reached; with --wait, 2 still queued after --timeout, "
+                       "1 the API refused it, could not be reached, or its URL or key cannot be used; 2 an argument refused "
+                       "before anything was sent, or with --wait still queued after --timeout; with --wait, "
                        "3 failed, expired or cancelled, 4 submitted (its id on stderr) but the polls failed until "
                        "--timeout or were refused: do not submit it again")
     p.add_argument("inputs", nargs="+")
@@ -482,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=int, help="seconds")
     p.add_argument("--wait", action="store_true", help="poll until the task is final (exit status: below)")
     p.add_argument("--timeout", type=_positive_seconds, default=60, help="seconds --wait waits (default: 60)")
-    p.add_argument("--idempotency-key", type=_idempotency_key, help="the submit's Idempotency-Key (default: a new one); the CLI resends "
+    p.add_argument("--idempotency-key", type=_idempotency_key, help="the submit's Idempotency-Key, 1-128 bytes in UTF-8 without control characters "
+                   "(default: a new one); the CLI resends "
                    "a submit that got no answer, a 503 or a 429 under it, up to 3 tries in all")
     p.set_defaults(func=cmd_submit)
 
@@ -500,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
     p.set_defaults(func=cmd_keys_create)
     p = keys.add_parser("revoke", help="revoke a key, given itself or its id (as `keys create` printed it)")
-    p.add_argument("key", help="the key (sk_…) or its id")
+    p.add_argument("key", help="the key (sk_…, or one registered as given, such as make run's SLUICE_API_KEY) "
+                                        "or its id")
     p.set_defaults(func=cmd_keys_revoke)
 
     p = sub.add_parser("bootstrap", help="create queues, tables and bucket if missing")
