@@ -36,7 +36,6 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 CONFIG = schemathesis.Config.from_dict(
     {"checks": {"negative_data_rejection": {"expected-statuses": ["400", "401", "403", "404", "409", "413", "422"]}}})
 EXAMPLES_PER_OPERATION_AND_MODE = 120
-TIME_BUDGET_S = 150
 
 
 def query_params(op) -> set[str]:
@@ -65,7 +64,7 @@ def test_generated_requests_get_no_5xx_and_conforming_responses(tmp_path):
                 fixed: dict = {}
                 if mode == GenerationMode.POSITIVE and "wait_s" in query_params(op):
                     # A valid long poll waits up to its full wait on a queued task:
-                    # short ones keep the run inside its time budget.
+                    # short ones keep the run short (pytest-timeout bounds it).
                     fixed["query"] = {"wait_s": 0.2}
                 strategy = op.as_strategy(generation_mode=mode, **fixed)
                 if mode == GenerationMode.POSITIVE and "{task_id}" in op.path:
@@ -79,7 +78,7 @@ def test_generated_requests_get_no_5xx_and_conforming_responses(tmp_path):
                 def run(case):
                     # A valid long poll on a task that cannot finish (its worker is
                     # stopped) waits out all of wait_s: keep those waits short so
-                    # the time budget buys breadth. Invalid values stay as generated.
+                    # the run's time buys breadth. Invalid values stay as generated.
                     wait = (case.query or {}).get("wait_s")
                     if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 < wait <= 20:
                         case.query["wait_s"] = min(wait, 0.2)
@@ -92,7 +91,6 @@ def test_generated_requests_get_no_5xx_and_conforming_responses(tmp_path):
                 except Unsatisfiable:
                     # An operation without parameters or body has no invalid request.
                     assert mode == GenerationMode.NEGATIVE, op.label
-                assert time.monotonic() - started < TIME_BUDGET_S, f"over {TIME_BUDGET_S}s at {op.label}"
         total = sum(counts.values())
         elapsed = time.monotonic() - started
         print(f"\nschemathesis cases={total} operations={len(operations)} seconds={elapsed:.1f} "

@@ -125,7 +125,7 @@ class Launcher:
         if self.proc.poll() is None:
             started = descendants(self.proc.pid)
             self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(10)
             for pid in started:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)

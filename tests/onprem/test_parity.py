@@ -19,7 +19,6 @@ import math
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import boto3
@@ -308,9 +307,7 @@ def test_an_unknown_key_is_refused(stack):
 
 def test_worker_and_api_stop_cleanly_on_sigterm(stack):
     """Runs last in this module: stops the entrypoints the way Docker and Kubernetes do."""
-    started = time.monotonic()
-    assert stack.worker.stop(timeout_s=30) == 0, stack.worker.tail()
-    assert time.monotonic() - started < 30
+    assert stack.worker.stop(timeout_s=30) == 0, stack.worker.tail()  # 0: it exited within the 30 s
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit says why.
     assert stack.api.stop(timeout_s=15) in (0, -signal.SIGTERM), stack.api.tail()
     assert "Finished server process" in stack.api.log.read_text(), stack.api.tail()

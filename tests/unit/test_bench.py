@@ -177,7 +177,6 @@ def test_a_peer_that_times_out_is_killed_with_its_children(tmp_path):
     assert state() in ("gone", "Z")  # killed (a zombie until init reaps it)
     assert run_peer([sys.executable, "-c", "import sys; sys.exit(3)"], 10)["error"] == "exited with 3"
     assert run_peer([sys.executable, "-c", "print('{\"per_s\": 1}')"], 10) == {"per_s": 1}
-    assert os.getpgrp()  # this test's own group survived
 
 
 def test_partial_runs_leave_the_plots_alone(monkeypatch):
@@ -260,7 +259,9 @@ def test_gpu_benchmark_saves_after_every_phase_and_flags_a_dead_worker(tmp_path,
         assert timeout_s + start_timeout_s < 400 and keep_logs_always
         drain_envs[(inputs_per_task, profile_as)] = extra_env
         t0 = time.time()
-        time.sleep(0.6)
+        sampler = samplers[-1]
+        wait_until(lambda: sum(t >= t0 for t, _ in list(sampler.samples)) >= 5, 30,
+                   f"5 utilization samples in the drain's window ({inputs_per_task} per task)", every_s=0.02)
         if workers == 2:
             return {"tasks": n, "succeeded": 0, "tasks_per_s": None, "inputs_per_s": None,
                     "problems": ["no task finished: worker exited during the drain: worker-1 (exit code -9)"]}
@@ -403,9 +404,11 @@ def test_switch_interval_site_sets_a_process_switch_interval_only_when_asked():
     ask = [sys.executable, "-c", "import sys; print(sys.getswitchinterval())"]
     env = {**os.environ, "PYTHONPATH": gpu.SWITCH_INTERVAL_SITE}
     env.pop("SLUICE_BENCH_SWITCH_INTERVAL_S", None)
-    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.005
+    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True,
+                                 timeout=60).stdout) == 0.005
     env["SLUICE_BENCH_SWITCH_INTERVAL_S"] = "0.0005"
-    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True).stdout) == 0.0005
+    assert float(subprocess.run(ask, env=env, capture_output=True, text=True, check=True,
+                                 timeout=60).stdout) == 0.0005
 
 
 def test_a_benchmark_that_fails_before_saving_leaves_no_earlier_figure_behind(tmp_path, monkeypatch):

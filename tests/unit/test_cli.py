@@ -121,7 +121,7 @@ def embedded_state(tmp_path, monkeypatch):
 
 def test_a_state_file_left_by_a_killed_launcher_is_ignored(embedded_state, capsys):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # reaped: its pid names no process
+    gone.wait(30)  # reaped: its pid names no process
     embedded_state(gone.pid)
     cli._settings()
     assert "AWS_ENDPOINT_URL" not in os.environ and os.environ["AWS_ACCESS_KEY_ID"] == "AKIAOPERATOR"

@@ -14,6 +14,7 @@ import importlib
 import io
 import json
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -754,7 +755,10 @@ def test_the_dispatchers_throughput_counts_its_parallel_calls_span_not_their_sum
     monkeypatch.setattr(d, "max_tasks_per_call", 1)
     real = d.runtime.invoke_endpoint
 
+    together = threading.Barrier(4, timeout=10)  # the four calls are in flight at once
+
     def slow(**kwargs):
+        together.wait()
         time.sleep(1.0)  # stands in for the endpoint's inference, not for an event
         return real(**kwargs)
 
@@ -766,7 +770,7 @@ def test_the_dispatchers_throughput_counts_its_parallel_calls_span_not_their_sum
     emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
     [throughput] = [v for doc in emitted if "Throughput" in doc for v in
                     (doc["Throughput"] if isinstance(doc["Throughput"], list) else [doc["Throughput"]])]
-    assert 2 < throughput <= 4.1, throughput  # the 4 s summed would be 1
+    assert 1.5 < throughput <= 4.1, throughput  # the 4 s summed would be 1
 
 
 def test_a_redelivered_task_goes_to_the_endpoint_in_a_call_of_its_own(dispatch, settings):

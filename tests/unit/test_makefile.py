@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 def install_commands() -> list[list[str]]:
     # -B: as on a fresh clone, every step of the install is due.
     out = subprocess.run(["make", "-n", "-B", ".venv/.installed"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, timeout=60).stdout
     return [shlex.split(line) for line in out.splitlines() if " pip install " in f" {line} "]
 
 

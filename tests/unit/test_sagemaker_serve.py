@@ -556,7 +556,7 @@ def test_the_entrypoint_serves_minilm_without_any_web_framework(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(10)
         log.close()
 
 
