@@ -129,10 +129,6 @@ def one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-# What the CLI drops too before it talks to the emulator (sluice/cli.py).
-OPERATOR_AWS_SETTINGS = frozenset({"AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"})
-
-
 def demo_key() -> str | None:
     """SLUICE_API_KEY, if set: one the API can match. It reads a header's bytes
     as Latin-1 and strips its ends, and keys are stored by the hash of their
@@ -320,8 +316,9 @@ class Stack:
         return f"http://127.0.0.1:{self.api_port}"
 
     def env(self) -> dict[str, str]:
-        # The emulator's endpoints, region and keys, whatever the operator's AWS
-        # settings: a profile of theirs (one named but missing, say) has no say here.
+        from sluice.settings import OPERATOR_AWS_SETTINGS
+
+        # The emulator's endpoints, region and keys, whatever the operator's AWS settings.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("AWS_ENDPOINT_URL") and k not in OPERATOR_AWS_SETTINGS}
         env.update(emulator_env(self.emulator_port, self.sqs_url, self.ddb_url))

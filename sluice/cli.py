@@ -25,7 +25,7 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
 from sluice.contract import MAX_IDEMPOTENCY_KEY_CHARS, MAX_TASK_ID_CHARS, TASK_ID_PATTERN
-from sluice.settings import SettingsError
+from sluice.settings import OPERATOR_AWS_SETTINGS, SettingsError
 
 # None: SLUICE_STATE_DIR's, or the nearest .sluice/ from the current folder up
 # (make run keeps it at the repository's root: a CLI run from sluice/ or tests/
@@ -89,7 +89,7 @@ def _use_embedded_endpoints() -> None:
         # All of it, the region and keys too: the emulator's resources exist in
         # its region only, and a profile of the operator's has no say here.
         os.environ.update(env)
-        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
+        for name in OPERATOR_AWS_SETTINGS:
             os.environ.pop(name, None)
         endpoints = ", ".join(v for k, v in sorted(env.items()) if k.startswith("AWS_ENDPOINT_URL"))
         print(f"sluice: using the `make run` emulator at {endpoints} ({_state_file()})", file=sys.stderr)

@@ -24,6 +24,10 @@ from sluice.contract import Priority
 
 
 ENV_PREFIX = "SLUICE_"
+# The operator's own AWS identity, set aside wherever Sluice talks to an
+# emulator with its keys (the CLI beside `make run`, the launcher's stack): a
+# profile named there (one that does not exist, say) must have no say.
+OPERATOR_AWS_SETTINGS = frozenset({"AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"})
 
 
 class SettingsError(ValueError):
