@@ -6,11 +6,11 @@ alternating rounds at 32), so both see the same machine load and queue depth."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
-from bench.common import Http, LoadResult, closed_loop, flag, log, pct, raise_if_flagged, save, sentence, settings, stack
+from bench.common import (Http, LoadResult, at_most, closed_loop, flag, log, pct, raise_if_flagged, save, sentence,
+                          settings, stack)
 
 
 def direct_submitter():
@@ -68,8 +68,8 @@ def summarize(results: dict, pooled: dict[str, LoadResult], clients: int, asked:
     # would pass.
     direct, api_ = pooled["direct"].latencies, pooled["api"].latencies
     for q in (50, 99):
-        ratio = pct(api_, q) / pct(direct, q) if direct and api_ else float("nan")
-        results[f"ratio_p{q}_{clients}"] = math.ceil(round(ratio * 10_000, 6)) / 10_000 if ratio == ratio else ratio
+        ratio = at_most(pct(api_, q), pct(direct, q)) if direct and api_ else None
+        results[f"ratio_p{q}_{clients}"] = float("nan") if ratio is None else ratio
 
 
 def purge() -> None:
