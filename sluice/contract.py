@@ -336,6 +336,10 @@ class TaskRecord(BaseModel):
     # When a retry of an idempotent submit last re-sent the task's message
     # (epoch ms): retries within RESEND_INTERVAL_S send no more. Internal too.
     resent_at: int | None = None
+    # Which claim recorded the latest start (sluice.lifecycle): the SDK's
+    # resend of that claim's write, its answer lost, finds it and is known as
+    # the same write, not a second start. Internal too.
+    claim_token: str | None = None
 
     def overdue(self, now: int) -> bool:
         """Still `queued` past its deadline: it will never run, and a read of it expires it."""

@@ -22,7 +22,8 @@ dead-letter queue, where settling fails or requeues the task by its record
 (its runs before ended without an outcome, none failed it). A redelivery, or
 the first delivery of such a message, means an earlier attempt ended without
 an outcome (a worker died, a reply was lost), so its start is recorded: a conditional update
-(`queued` only) adds one to `attempts`, which lets dead-letter settling tell a
+(`queued` only, made with a token so that the SDK's resend of it, its
+answer lost, adds nothing) adds one to `attempts`, which lets dead-letter settling tell a
 task that keeps killing its worker from one that was only handed back. So a
 claimed task that goes back without running (its batch's preparation failed
 after the claim, a worker stopping hands back the batches prepared behind the
@@ -184,9 +185,10 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
         else:
             first.append(job)
     # Rejected expiries are already final or missing: acknowledged all the same.
+    token = uuid.uuid4().hex  # this claim's: an SDK resend of its write must not add a second start
     changes = expiries + [
         Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True, returns_old=True,
-               only_if={"created_at": j.message.enqueued_at})
+               only_if={"created_at": j.message.enqueued_at}, token=token)
         for j in redelivered
     ]
     applied = store.apply_each(changes) if changes else Applied()
@@ -216,8 +218,10 @@ def _note_recorded_starts(redelivered: list[Job], applied: Applied, now: int) ->
     not among them: a throttled write did not land, and a start wrongly taken
     back would let a task that kills its workers run once more than allowed."""
     for job in redelivered:
-        replaced = applied.replaced.get(job.message.task_id)
-        if replaced is not None:
+        if job.message.task_id in applied.replaced:
+            # None: the claim's answer was lost, and with it the start it
+            # replaced; a take-back then leaves the task without a start.
+            replaced = applied.replaced[job.message.task_id] or {}
             job.recorded_start = now
             job.started_before = replaced.get("started_at")
 

@@ -85,6 +85,11 @@ class Change:
     (Applied.replaced), for a change that may have to be undone.
     `only_if`: values the record must hold as well (the undoing of a change
     made only while the record still shows it).
+    `token`: a value unique to this change, written with it (the record's
+    `claim_token`) and required not to be there already. The SDK resends a
+    write whose answer was lost (a 5xx, a read timeout); were the first send
+    applied, a resend of a change that adds an attempt would add it again.
+    With a token the resend is refused, and apply_each knows it as landed.
 
     A change to a final status sets `finished_at`, and the store renews the
     record's TTL from it (`expires_at`, see `update`): every final outcome,
@@ -98,8 +103,11 @@ class Change:
     remove: tuple[str, ...] = ()
     returns_old: bool = False
     only_if: dict[str, Any] = field(default_factory=dict)
+    token: str | None = None
 
     def __post_init__(self) -> None:
+        if self.token is not None and "claim_token" in self.set_values.keys() | self.only_if.keys():
+            raise ValueError("claim_token is the change's token: pass it as token")
         unknown = ((self.set_values.keys() | self.only_if.keys()) - _SETTABLE) | (set(self.remove) - _REMOVABLE)
         if unknown:
             raise ValueError(f"not task record fields that an update may change: {sorted(unknown)}")
@@ -124,10 +132,14 @@ class Change:
         return target is not None and TaskStatus(target).is_terminal
 
     def written(self, result_ttl_s: int) -> dict[str, Any]:
-        """The values the update sets: a final change's with its `expires_at`."""
+        """The values the update sets: a final change's with its `expires_at`,
+        one made with a token with its `claim_token`."""
+        values = dict(self.set_values)
         if self.finishes:
-            return {**self.set_values, "expires_at": self.set_values["finished_at"] // 1000 + result_ttl_s}
-        return self.set_values
+            values["expires_at"] = self.set_values["finished_at"] // 1000 + result_ttl_s
+        if self.token is not None:
+            values["claim_token"] = self.token
+        return values
 
     def update(self, table: str, result_ttl_s: int) -> dict[str, Any]:
         """The UpdateItem request; a final change's gets `expires_at`, the
@@ -156,6 +168,10 @@ class Change:
             names[f"#c{n}"] = attr
             values[f":c{n}"] = _ser.serialize(value)
             condition += f" AND #c{n} = :c{n}"
+        if self.token is not None:
+            names["#t"] = "claim_token"
+            values[":t"] = _ser.serialize(self.token)
+            condition += " AND (attribute_not_exists(#t) OR #t <> :t)"
         request = {
             "TableName": table,
             "Key": {"task_id": {"S": self.task_id}},
@@ -179,8 +195,9 @@ class Applied:
     # answer). Whether it landed: see surely_not_applied.
     errored: dict[str, Exception] = field(default_factory=dict)
     # For an applied change made with returns_old: the values it replaced (an
-    # attribute that was not set is absent).
-    replaced: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # attribute that was not set is absent). None for one whose answer was
+    # lost, its resend refused by its token: they went with the lost answer.
+    replaced: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
 
 # DynamoDB's answers to a request over the table's or the account's throughput.
@@ -356,7 +373,8 @@ class TaskStore:
             elif isinstance(result, Exception):
                 applied.errored[change.task_id] = result
             elif change.returns_old:
-                applied.replaced[change.task_id] = {k: _plain(v) for k, v in result.get("Attributes", {}).items()}
+                applied.replaced[change.task_id] = None if result is _LANDED else {
+                    k: _plain(v) for k, v in result.get("Attributes", {}).items()}
         return applied
 
     def _apply_one(self, change: Change) -> dict[str, Any] | Exception | object:
@@ -368,7 +386,7 @@ class TaskStore:
         except ClientError as err:
             if _code(err) == "ConditionalCheckFailedException":
                 try:
-                    return {} if self._landed(change, err) else _REJECTED
+                    return _LANDED if self._landed(change, err) else _REJECTED
                 except Exception as exc:  # noqa: BLE001 - the read that would tell failed: its fate is unknown
                     return exc
             return err
@@ -380,22 +398,27 @@ class TaskStore:
         SDK resends a write whose answer was lost (a 5xx, a read timeout), and
         when the first send landed the resend finds the status it set. Read as
         "another run won", a worker would delete the result object the record
-        now names. The record holds every value the change sets: it landed. A
+        now names. The record holds every value the change sets: it landed.
+        One made with a token: the record holds the token, which only a send
+        of this change could have written. Without one, a
         change that adds an attempt or returns the old values has effects a
         resend cannot show, so it stays refused."""
-        if change.add_attempt or change.returns_old:
+        if (change.add_attempt or change.returns_old) and change.token is None:
             return False
         item = err.response.get("Item")
         if item is None:  # an emulator that does not return it (dynalite)
             item = self.ddb.get_item(TableName=self.table, Key=_key(change.task_id), ConsistentRead=True).get("Item")
         if not item:
             return False
+        if change.token is not None:
+            return item.get("claim_token") == _ser.serialize(change.token)
         written = change.written(self.result_ttl_s).items()
         holds = all(attr in item and _plain(item[attr]) == _plain(_ser.serialize(value)) for attr, value in written)
         return holds and not any(attr in item for attr in change.remove)
 
 
 _REJECTED = object()  # _apply_one's answer for a change whose condition failed
+_LANDED = object()  # and for one whose resend it failed, the first send having landed (_landed)
 
 
 DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -1,12 +1,9 @@
 """Outcome writes on the emulator: two runs of one task, large results in S3."""
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import pytest
-import urllib3
-from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 
 from models.synthetic import SyntheticModel
@@ -18,6 +15,7 @@ from sluice.aws import new_client
 from sluice.contract import RESULTS_PREFIX, Priority, TaskRecord, TaskStatus, now_ms
 from sluice.lifecycle import Job, Outcome, plan_outcomes, record_outcomes
 from sluice.worker.runner import BatchRunner
+from tests.integration.resent_writes import RESENDS
 from tests.integration.test_worker_runner import messages_left
 from tests.reliability.harness import wait_until
 
@@ -68,53 +66,7 @@ def test_a_task_starts_when_its_batch_begins_inference_not_when_it_was_claimed(a
     assert view["queue_ms"] == view["started_at"] - view["created_at"]
 
 
-class _Body:
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def stream(self, **_):
-        yield self.data
-
-
-def _lose_the_first_reply(ddb):
-    """The first outcome write that names a result object reaches the table,
-    and its answer is lost (a 500): the SDK sends it again, and that resend
-    finds the status the first one set."""
-    http = urllib3.PoolManager()
-    landed = []
-
-    def lose(request, **_):
-        body = request.body.decode() if isinstance(request.body, bytes) else (request.body or "")
-        if "result_key" not in body or landed:
-            return None
-        landed.append(http.request(request.method, request.url, body=request.body,
-                                   headers=dict(request.headers)).status)
-        error = {"__type": "com.amazonaws.dynamodb.v20120810#InternalServerError", "message": "lost"}
-        return AWSResponse(request.url, 500, {"x-amzn-RequestId": "lost"}, _Body(json.dumps(error).encode()))
-
-    ddb.meta.events.register_first("before-send.dynamodb.UpdateItem", lose)
-    return landed
-
-
-def _refused_without_the_old_item(ddb):
-    """As above, on an emulator that answers a failed condition without the
-    old item (dynalite): the write lands, then its resend is refused."""
-    landed = []
-    update_item = ddb.update_item
-
-    def resent(**request):
-        first = not landed and "result_key" in json.dumps(request)
-        response = update_item(**request)
-        if not first:
-            return response
-        landed.append(200)
-        raise ClientError({"Error": {"Code": "ConditionalCheckFailedException", "Message": "resent"}}, "UpdateItem")
-
-    ddb.update_item = resent
-    return landed
-
-
-@pytest.mark.parametrize("resend", [_lose_the_first_reply, _refused_without_the_old_item])
+@pytest.mark.parametrize("resend", RESENDS, ids=lambda f: f.__name__)
 def test_an_outcome_write_resent_after_it_landed_keeps_its_result(api, settings, resend):
     # Read as "another run won", the worker deleted the object the record
     # named: a task succeeded whose result was gone.
@@ -125,7 +77,7 @@ def test_an_outcome_write_resent_after_it_landed_keeps_its_result(api, settings,
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
     batch = PriorityQueues(to_s3).receive(Priority.normal, 10, 1, 30)
-    landed = resend(runner.store.ddb)
+    landed = resend(runner.store.ddb, "result_key")
     prepared = runner.prepare(batch)
     runner.finish(prepared, runner.infer(prepared.jobs))
     assert landed == [200]

@@ -21,6 +21,7 @@ from sluice.lifecycle import Job, claim, unclaim
 from sluice.worker import runner as runner_module
 from sluice.worker.main import Worker
 from sluice.worker.runner import Pipeline, hand_back
+from tests.integration.resent_writes import RESENDS
 from tests.integration.test_worker_runner import run_once
 from tests.integration.test_worker_stop import GatedModel, held_in_inference, visible_again, wait_for
 from tests.reliability.harness import wait_until
@@ -259,6 +260,25 @@ def test_a_take_back_leaves_alone_the_start_that_another_claim_recorded_since(se
     unclaim(store, [theirs])
     record = store.get(task_id)
     assert (record.status.value, record.attempts, record.started_at) == ("queued", 1, now)
+
+
+@pytest.mark.parametrize("resend", RESENDS, ids=lambda f: f.__name__)
+def test_a_claim_resent_after_it_landed_records_one_start(settings, resend):
+    # The SDK resends a claim whose answer was lost: the resend found the task
+    # still queued and added a second attempt for one start (or, refused,
+    # left the task unrun as if another run had finished it).
+    [task_id] = submit(settings, "resent")
+    [message] = redeliver(settings, receive(settings, [task_id]), [task_id])
+    store = TaskStore(settings, ddb=new_client("dynamodb", settings))  # its own: the test hooks its calls
+    landed = resend(store.ddb, "started_at")
+    job, now = Job(message.task(), [message]), now_ms()
+    assert claim(store, [job], now, max_attempts=3).runnable == [job]
+    assert landed == [200]
+    record = store.get(task_id)
+    assert (record.status.value, record.attempts, record.started_at) == ("queued", 1, now)
+    unclaim(store, [job])  # its start is still its own to take back
+    record = store.get(task_id)
+    assert (record.attempts, record.started_at) == (0, None)
 
 
 def test_a_stopping_worker_hands_back_first_and_waits_on_the_take_back_a_bounded_time(settings, runner, monkeypatch):

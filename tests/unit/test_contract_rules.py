@@ -139,6 +139,12 @@ def test_a_change_that_keeps_the_task_running_leaves_its_ttl():
     assert "expires_at" not in request["ExpressionAttributeNames"].values()
 
 
+def test_a_change_s_token_is_written_by_the_store_alone():
+    # Set by hand beside a token, claim_token would be written twice in one expression.
+    with pytest.raises(ValueError, match="token"):
+        Change("t", {"started_at": 1, "claim_token": "a"}, QUEUED, add_attempt=True, token="b")
+
+
 def test_a_change_needs_a_status_to_apply_from():
     with pytest.raises(ValueError):
         Change("t", {"started_at": 1}, ())
