@@ -307,25 +307,42 @@ class TaskStore:
                 raise Unprocessed(f"{len(left[self.table]['Keys'])} task records could not be read")
         return items
 
-    def delete_if_queued(self, task_id: str, token: str | None = None) -> None:
+    def delete_if_queued(self, task_id: str, token: str | None = None) -> bool:
         """Compensation when a submit could not enqueue its message. With a
-        token, only while no later submit (an idempotent retry) has claimed it."""
+        token, only while no later submit (an idempotent retry) has claimed it.
+        Returns whether a record stays (claimed since, or not `queued`); False
+        when none is left, deleted now or never there, where a write that got
+        no answer may land yet (sluice.api.service.Compensator)."""
         condition = "#s = :q"
         values = {":q": {"S": TaskStatus.queued.value}}
         if token:
             condition += " AND submit_token = :t"
             values[":t"] = {"S": token}
-        try:
-            self.ddb.delete_item(
-                TableName=self.table,
-                Key=_key(task_id),
-                ConditionExpression=condition,
-                ExpressionAttributeNames={"#s": "status"},
-                ExpressionAttributeValues=values,
-            )
-        except ClientError as err:
-            if _code(err) != "ConditionalCheckFailedException":
-                raise
+        for _ in range(3):
+            try:
+                self.ddb.delete_item(
+                    TableName=self.table,
+                    Key=_key(task_id),
+                    ConditionExpression=condition,
+                    ExpressionAttributeNames={"#s": "status"},
+                    ExpressionAttributeValues=values,
+                    ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                )
+                return False
+            except ClientError as err:
+                if _code(err) != "ConditionalCheckFailedException":
+                    raise
+                # moto answers a missing record with an empty item; dynalite with none: read to tell.
+                item = err.response.get("Item") or self.ddb.get_item(
+                    TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
+                if not item:
+                    return False
+                ours = item.get("status") == values[":q"] and (not token or item.get("submit_token") == values[":t"])
+                if not ours:
+                    return True
+                # Refused, yet the record is one it deletes: the write landed
+                # between the condition and the read (a late one): again.
+        return True
 
     def apply(self, change: Change) -> TaskRecord:
         """One conditional update; returns the new record or raises TransitionRejected."""

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import Counter
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 from models.registry import CATALOGUE, ModelSpec
 from sluice.adapters.payload_store import PayloadStore
@@ -101,6 +101,14 @@ class _Unread(enum.Enum):
 UNREAD = _Unread.UNREAD  # TaskService.get: the caller has not read the record
 
 
+# A write that got no answer may land later: a hung table (a frozen process, a
+# stalled link) applies what it holds when it wakes, each of the SDK's tries of
+# it, before or after the rollback's delete. The rollback deletes again, every
+# _WATCH_EVERY_S, for this long after such a write failed.
+LATE_WRITE_WATCH_S = 30.0
+_WATCH_EVERY_S = 1.0
+
+
 class Compensator:
     """Deletes the records of submits whose message was never sent: at once,
     and, while the table cannot be reached, again in the background with
@@ -119,7 +127,15 @@ class Compensator:
         self._settled = threading.Condition()
         self._wake = threading.Event()  # drain: retry now, not after the backoff
 
-    def undo(self, task_ids: list[str], token: str) -> None:
+    def undo(self, task_ids: list[str], token: str, after: Exception | None = None) -> None:
+        """`after`: the error of the write being undone. A timeout says the
+        table hangs: a delete tried here would wait out the same timeouts
+        (12 s) before the submit could answer, and a group commit's later
+        submits behind it. Such a write may also land later (LATE_WRITE_WATCH_S)."""
+        if after is not None and _timed_out(after):
+            for task_id in task_ids:
+                self._later(task_id, token, watch_s=LATE_WRITE_WATCH_S)
+            return
         for i, task_id in enumerate(task_ids):
             try:
                 self.store.delete_if_queued(task_id, token)
@@ -156,11 +172,13 @@ class Compensator:
                 del self._unsettled[task_id]
             self._settled.notify_all()
 
-    def _later(self, task_id: str, token: str) -> None:
+    def _later(self, task_id: str, token: str, watch_s: float = 0.0) -> None:
+        """`watch_s`: how long a record not found may still land (LATE_WRITE_WATCH_S)."""
         with self._settled:
             self._unsettled[task_id] += 1
+        now = time.monotonic()
         try:
-            self._pending.put_nowait((task_id, token, time.monotonic()))
+            self._pending.put_nowait((task_id, token, now, now + watch_s, now))
         except queue.Full:
             log.error("could not roll back task %s: compensation backlog full", task_id)
             self._settle(task_id)
@@ -172,41 +190,65 @@ class Compensator:
 
     def _run(self) -> None:
         backoff = 0.5
-        held: tuple[str, str, float] | None = None  # a failed delete that found the queue full
+        # An item: (task id, token, handed over at, watched until, due at).
+        held: tuple[str, str, float, float, float] | None = None  # one to retry that found the queue full
         while True:
             if held is not None:
-                (task_id, token, since), held = held, None
+                item, held = held, None
             else:
                 try:
-                    task_id, token, since = self._pending.get(timeout=60)
+                    item = self._pending.get(timeout=60)
                 except queue.Empty:
                     with self._lock:  # an item put while this thread decided to stop would wait forever
                         if self._pending.empty():
                             self._thread = None
                             return
                     continue
+            task_id, token, since, watch_until, due = item
+            if due > time.monotonic():  # a watched one: what is behind it waits _WATCH_EVERY_S at most
+                self._wake.wait(due - time.monotonic())
             try:
-                self.store.delete_if_queued(task_id, token)
-                backoff = 0.5
-                self._settle(task_id)
+                kept = self.store.delete_if_queued(task_id, token)
             except Exception as exc:  # noqa: BLE001 - this thread is the backlog's only reader: it must not die
                 _log_unexpected(exc, task_id)
                 if time.monotonic() - since > self.give_up_s:
                     log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
                     self._settle(task_id)
                     continue
-                try:
-                    self._pending.put_nowait((task_id, token, since))
-                except queue.Full:
-                    # Requests filled the queue while this delete was tried. This
-                    # thread is the queue's only reader, so a blocking put would
-                    # wait for ever: the delete is retried in place instead.
-                    held = (task_id, token, since)
-                if self._wake.is_set():
-                    time.sleep(0.2)  # draining: retry soon, not after a backoff that drain would not outlive
-                else:
-                    self._wake.wait(backoff)
-                    backoff = min(backoff * 2, 10.0)
+            else:
+                backoff = 0.5
+                # Kept: another submit claimed the record. Draining: a write
+                # that may never land does not hold up the shutdown.
+                if kept or time.monotonic() >= watch_until or self._wake.is_set():
+                    self._settle(task_id)
+                else:  # none left now, but the write may land yet
+                    item = (task_id, token, since, watch_until, time.monotonic() + _WATCH_EVERY_S)
+                    if not self._again(item):
+                        held = item
+                continue
+            if not self._again(item):
+                held = item
+            if self._wake.is_set():
+                time.sleep(0.2)  # draining: retry soon, not after a backoff that drain would not outlive
+            else:
+                self._wake.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _again(self, item: tuple[str, str, float, float, float]) -> bool:
+        """Back in the queue, or False: requests filled it while the delete
+        was tried. This thread is the queue's only reader, so a blocking put
+        would wait for ever: the caller retries the item in place instead."""
+        try:
+            self._pending.put_nowait(item)
+            return True
+        except queue.Full:
+            return False
+
+
+def _timed_out(exc: Exception) -> bool:
+    """Whether a call's last try waited out its timeout (a reset or refused
+    connection fails at once; a ClientError is an answer)."""
+    return isinstance(exc, (ReadTimeoutError, ConnectTimeoutError))
 
 
 def _log_unexpected(exc: Exception, task_id: str) -> None:
@@ -371,11 +413,11 @@ class TaskService:
                 if accepted is not None:
                     return accepted
                 continue
-            except (BotoCoreError, ClientError):
+            except (BotoCoreError, ClientError) as err:
                 # The write may have landed even though its reply was lost: undo
                 # it (a no-op if it did not), else it would wait for a message
                 # that is never sent.
-                self.compensator.undo([task_id], token)
+                self.compensator.undo([task_id], token, after=err)
                 raise unavailable("the task store") from None
             self._send(message, token)
             return self._accepted(record, depth)
@@ -390,8 +432,8 @@ class TaskService:
         token = token or secrets.token_hex(8)
         try:
             self.store.create_many(records, token)
-        except (BotoCoreError, ClientError, RuntimeError):
-            self.compensator.undo([r.task_id for r in records], token)
+        except (BotoCoreError, ClientError, RuntimeError) as err:
+            self.compensator.undo([r.task_id for r in records], token, after=err)
             return {i: unavailable("the task store") for i in range(len(group))}
         except BaseException:
             self.compensator.undo([r.task_id for r in records], token)

@@ -60,10 +60,11 @@ def test_get_many_and_compensating_delete(store):
     records = [record() for _ in range(3)]
     store.create_many(records)
     assert set(store.get_many([r.task_id for r in records] + ["missing"])) == {r.task_id for r in records}
-    store.delete_if_queued(records[0].task_id)
+    assert store.delete_if_queued(records[0].task_id) is False  # none left
     assert store.get(records[0].task_id) is None
+    assert store.delete_if_queued(records[0].task_id) is False  # none there: a late write may land yet
     store.apply(Change(records[1].task_id, {"status": "cancelled", "finished_at": now_ms()}, QUEUED))
-    store.delete_if_queued(records[1].task_id)  # not queued any more: kept
+    assert store.delete_if_queued(records[1].task_id) is True  # not queued any more: kept
     assert store.get(records[1].task_id) is not None
 
 
@@ -116,7 +117,7 @@ def test_the_submit_token_is_part_of_the_record(store):
     assert store.get(r.task_id).submit_token == "tok-1"
     # An idempotent retry claims the record with its own token...
     assert store.apply(Change(r.task_id, {"submit_token": "tok-2"}, QUEUED)).submit_token == "tok-2"
-    store.delete_if_queued(r.task_id, "tok-1")  # ...so the first try's rollback leaves it alone
+    assert store.delete_if_queued(r.task_id, "tok-1") is True  # ...so the first try's rollback leaves it alone
     assert store.get(r.task_id).submit_token == "tok-2"
     fresh = [record() for _ in range(2)]
     store.create_many(fresh, token="tok-3")

@@ -135,6 +135,7 @@ def test_a_hung_dependency_gets_a_503_in_bounded_time_and_nothing_lands_after_it
     from sluice.api.service import idempotent_task_id
     from tests.reliability.harness import TcpProxy
 
+    settings = settings.model_copy(update={"key_cache_s": 600})  # the tests' 0 would read the key from the hung table
     key = ApiKeys(settings).create("tenant-a")[0]
     proxy = TcpProxy(int(moto_endpoint.rsplit(":", 1)[1]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
@@ -163,5 +164,48 @@ def test_a_hung_dependency_gets_a_503_in_bounded_time_and_nothing_lands_after_it
             # record that outlives it is a half-written task.
             wait_until(lambda: store.get(task_id) is None, 30, "the refused submit's record to be rolled back",
                        state=lambda: store.get(task_id))
+    finally:
+        proxy.close()
+
+
+# The SDK's bound for one call to a hung table (3 tries of 4 s), and slack for a
+# busy machine: a rollback waited on inline doubled it (24 s), and a submit
+# queued behind that group commit waited out both (48 s), past API Gateway's 29 s.
+ONE_HUNG_CALL_S = 12
+SLACK_S = 5
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["group-commit", "idempotency-key"])
+def test_a_submit_whose_record_write_hangs_answers_after_that_one_call(settings, moto_endpoint, monkeypatch, keyed):
+    """Only the table hangs: the record's write gives up after its tries, and
+    its rollback goes to the background at once rather than waiting out the
+    same timeouts again before the 503."""
+    from fastapi.testclient import TestClient
+
+    from sluice.adapters.api_keys import ApiKeys
+    from sluice.adapters.task_store import TaskStore
+    from sluice.api.app import create_app
+    from tests.reliability.harness import TcpProxy
+
+    settings = settings.model_copy(update={"key_cache_s": 600})  # the tests' 0 would read the key from the hung table
+    key = ApiKeys(settings).create("tenant-a")[0]
+    proxy = TcpProxy(int(moto_endpoint.rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_DYNAMODB", f"http://127.0.0.1:{proxy.port}")
+    headers = {"x-api-key": key, **({"Idempotency-Key": "table-hung"} if keyed else {})}
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as api:
+            assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 200  # the key is cached
+            proxy.stall()
+            started = time.monotonic()
+            reply = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]}, headers=headers)
+            took = time.monotonic() - started
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "dependency_unavailable", reply.text
+            print(f"table hung ({'keyed' if keyed else 'group commit'}): 503 after {took:.1f}s")
+            assert took < ONE_HUNG_CALL_S + SLACK_S, took
+            proxy.resume()  # the held write lands now; the background rollback must delete it
+            store = TaskStore(settings)
+            wait_until(lambda: not store.ddb.scan(TableName=settings.tasks_table)["Items"], 30,
+                       "the refused submit's record to be rolled back",
+                       state=lambda: store.ddb.scan(TableName=settings.tasks_table)["Items"])
     finally:
         proxy.close()

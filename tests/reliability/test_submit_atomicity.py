@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from botocore.exceptions import EndpointConnectionError
+from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
 from models.synthetic import SyntheticModel
 
@@ -45,7 +45,7 @@ def rollbacks_cut_off(service) -> threading.Event:
     def delete(task_id, token=None):
         if table_down.is_set():
             cut()
-        real_delete(task_id, token)
+        return real_delete(task_id, token)
 
     service.store.delete_if_queued = delete
     return table_down
@@ -68,6 +68,26 @@ def test_a_record_write_whose_reply_is_lost_is_undone(service, settings):
         service.submit("t", REQUEST, None)
     assert refused.value.status == 503 and refused.value.headers["Retry-After"]
     assert only_record(service) == [] and visible(settings) == 0
+
+
+def test_a_timed_out_write_that_lands_after_its_rollback_is_rolled_back_too(service, settings):
+    # A hung table applies the SDK's held tries of a write when it wakes: after
+    # the rollback's first delete had found nothing, a record with no message.
+    record = TaskRecord(task_id="late", tenant_id="t", model="synthetic", priority=Priority.normal,
+                        status=TaskStatus.queued, input_count=1, created_at=now_ms())
+    found = []
+    real_delete = service.store.delete_if_queued
+
+    def delete(task_id, token=None):
+        found.append(real_delete(task_id, token))
+        return found[-1]
+
+    service.store.delete_if_queued = delete
+    service.compensator.undo([record.task_id], "tok", after=ReadTimeoutError(endpoint_url="http://hung"))
+    wait_until(lambda: found, 5, "the rollback's first delete")
+    service.store.create(record, "tok")  # the held write lands now
+    wait_until(lambda: not only_record(service), 10, "the late record's rollback",
+               state=lambda: (only_record(service), found))
 
 
 def test_when_the_table_is_down_too_the_rollback_lands_when_it_returns(service, settings):
