@@ -105,6 +105,16 @@ def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]
     return left
 
 
+def _delete(queues: PriorityQueues, url: str, messages: list[dict]) -> list[dict]:
+    """Delete received messages; returns those not deleted, still hidden."""
+    left: list[dict] = []
+    for chunk in _batches(messages):
+        failed = queues.sqs.delete_message_batch(QueueUrl=url, Entries=[
+            {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk)]).get("Failed", [])
+        left += [chunk[int(f["Id"])] for f in failed]
+    return left
+
+
 def _sender(body: str) -> dict:
     """A message body's fields, {} when it is not a JSON object."""
     try:
@@ -176,14 +186,16 @@ def max_receive_count(queues: PriorityQueues, priority: Priority) -> int | None:
 
 
 def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100) -> int:
-    """Move DLQ messages back to their source queue, as they are: SQS counts
-    their receives from 1 again, so a task not final yet gets runs anew (an
-    operator reruns tasks whose cause is fixed); settle_dead requeues with
-    the runs so far instead."""
+    """Move DLQ messages back to their source queue, without the runs so far
+    that a requeued or dead-lettered task's message carries (`runs_before`):
+    SQS counts their receives from 1 again, so a task not final yet gets runs
+    anew (an operator reruns tasks whose cause is fixed); settle_dead requeues
+    with the runs so far instead."""
     moved = 0
     for priority in priorities:
         dlq = queues.dlq_url(priority)
         messages = _receive_all(queues, dlq, limit - moved)
+        messages = [{**m, "Body": _counting_runs(m["Body"], 0)} for m in messages]
         left = _move(queues, dlq, queues.url(priority), messages)
         _show_again(queues, dlq, left)
         moved += len(messages) - len(left)
@@ -198,7 +210,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     down) is failed with a readable error; any other goes back to its queue
     as a new message, which SQS counts from 1 again: it carries the task's
     runs so far (`runs_before`), so that the task still runs at most
-    `max_attempts` times (sluice.lifecycle). Messages of final tasks stay for operators.
+    `max_attempts` times (sluice.lifecycle). A task with several dead
+    letters in a round is requeued once; the others are deleted once that
+    requeue is stored. Messages of final tasks stay for operators.
 
     Per priority, a round settles up to `limit` messages and looks at up to
     `scan` (those it keeps included): it receives until the queue yields
@@ -217,6 +231,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     for priority in priorities:
         dlq = queues.dlq_url(priority)
         seen: set[str] = set()
+        copies: dict[tuple[str, int], list[dict]] = {}  # by each task requeued: its other dead letters
         keep: list[dict] = []
         passed: list[dict] = []  # nothing to settle for their task: final, or gone
         settled = 0
@@ -242,6 +257,12 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     if record is None or record.status.is_terminal:
                         passed.append(m)
                         continue
+                    task = (record.task_id, record.created_at)
+                    if task in copies:
+                        # Another dead letter of a task this round requeues:
+                        # requeued too, it would run the same runs left again.
+                        copies[task].append(m)
+                        continue
                     if settled >= limit:
                         keep.append(m)
                         continue
@@ -250,10 +271,15 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                         keep.append(m)
                         counts["failed"] += _fail_dead_lettered(store, record)
                     else:
-                        requeue.append({**m, "Body": _counting_runs(m["Body"], record.runs())})
+                        copies[task] = []
+                        requeue.append({**m, "Body": _counting_runs(m["Body"], record.runs()), "task": task})
                 left = _move(queues, dlq, queues.url(priority), requeue)
                 keep += left
                 counts["requeued"] += len(requeue) - len(left)
+                for m in left:  # not requeued: its copies wait with it for the next round
+                    keep += copies.pop(m["task"])
+                keep += _delete(queues, dlq, [c for t in copies.values() for c in t])
+                copies = {t: [] for t in copies}
                 if len(got) < want:
                     reached_end = True  # the queue has nothing more to give
                     break
@@ -273,14 +299,17 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
 
 def _counting_runs(body: str, runs: int) -> str:
     """The body of a requeued task's new message: it carries the runs so far,
-    which SQS's receive count restarts from 1 without (sluice.lifecycle).
-    Changed as JSON, not through TaskMessage: a field of a newer release,
-    which this one's model ignores, stays in it."""
+    which SQS's receive count restarts from 1 without (sluice.lifecycle); 0:
+    none (a redrive). Changed as JSON, not through TaskMessage: a field of a
+    newer release, which this one's model ignores, stays in it."""
     try:
-        TaskMessage.model_validate_json(body)
+        message = TaskMessage.model_validate_json(body)
     except ValueError:  # not a task: a worker drops it all the same
         return body
+    if runs < 1 and message.runs_before is None:
+        return body
     fields = json.loads(body)
+    fields.pop("runs_before", None)
     if runs >= 1:
         fields["runs_before"] = runs
     return sqs_safe(json.dumps(fields, ensure_ascii=False, separators=(",", ":")))

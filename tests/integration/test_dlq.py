@@ -367,3 +367,37 @@ def test_a_round_that_stops_at_its_limit_shows_every_dead_letter_it_kept_again(s
     assert settle_dead(queues, store, [Priority.normal], 3, limit=1, scan=4) == {"failed": 1, "requeued": 0}
     listed = {item["task_id"] for item in list_dead(queues, [Priority.normal])}
     assert listed == {"done-0", "done-1", "stuck-0", "stuck-1", "done-2", "done-3"}
+
+
+def test_copies_of_one_task_s_dead_letter_requeue_it_once(settings):
+    # Two dead letters of one task (a send-then-delete that failed between, an
+    # idempotent retry's re-send): each requeued copy ran the task's last run,
+    # so a task that kills its worker ran past max_attempts.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "twice", attempts=1)
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=_dead_body("twice"))
+    assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 1}
+    [message] = receive_all(settings, 1)
+    assert message.task().runs_before == 2
+    assert receive_all(settings, 0) == []  # no second copy in the queue...
+    assert list_dead(queues, [Priority.normal]) == []  # ...nor left in the dead-letter queue
+
+
+def _dead_body(task_id: str) -> str:
+    return TaskMessage(task_id=task_id, tenant_id="t", model="synthetic", priority=Priority.normal, input_count=1,
+                       inputs=["x"], enqueued_at=0).model_dump_json(exclude_none=True)
+
+
+def test_a_redriven_task_gets_its_runs_anew(settings):
+    # A settling requeue or a worker's dead letter carries the runs so far
+    # (runs_before): redriven as it was, a task at its last run was spent at
+    # its first receive, where the operator who fixed the cause meant to rerun it.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    store.create(TaskRecord(task_id="fixed", tenant_id="t", model="synthetic", priority=Priority.normal,
+                            status=TaskStatus.queued, input_count=1, created_at=0, attempts=2))
+    body = json.loads(_dead_body("fixed"))
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal),
+                            MessageBody=json.dumps({**body, "runs_before": 2}))
+    assert redrive(queues, [Priority.normal]) == 1
+    [message] = receive_all(settings, 1)
+    assert message.task().runs_before is None and message.receive_count == 1
