@@ -10,6 +10,7 @@ import re
 
 import pytest
 import yaml
+import dockerfile_reader
 from dockerfile_reader import ROOT
 
 from sluice.settings import ENV_PREFIX, Settings
@@ -61,12 +62,13 @@ def cdk_names() -> set[str]:
 
 
 def dockerfile_names() -> set[str]:
-    names = set()
-    for path in (ROOT / "containers").rglob("Dockerfile"):
-        for line in path.read_text().splitlines():
-            if line.strip().upper().startswith("ENV "):
-                names |= set(re.findall(r"(SLUICE_[A-Z0-9_]+)=", line))
-    return names
+    # Read by instruction: an ENV continued over lines sets names on each.
+    return {name for path in (ROOT / "containers").rglob("Dockerfile") for name in dockerfile_reader.env(path)
+            if name.startswith("SLUICE_")}
+
+
+def test_the_dockerfiles_names_include_those_of_continued_env_lines():
+    assert {"SLUICE_HOST", "SLUICE_PORT", "SLUICE_DEVICE"} <= dockerfile_names()
 
 
 @pytest.mark.parametrize("where, names", [("compose.yaml", compose_names), ("onprem/k8s", k8s_names),
