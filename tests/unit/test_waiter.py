@@ -228,3 +228,49 @@ def test_a_table_that_does_not_answer_fails_a_first_look_and_a_wait_times_out():
 
     got, took = run(scenario())
     assert got is None and took == pytest.approx(2, abs=0.001)
+
+
+def test_a_first_look_that_registers_while_a_round_reads_is_answered_by_a_later_read(monkeypatch):
+    # The round's read left before the task was cancelled and before this
+    # first look registered: its answer is older than the request.
+    store = FakeStore({"a": [(0, record("a")), (1.0, record("a", TaskStatus.cancelled, finished_at=1))]})
+
+    async def slow_answer(func, /, *args):
+        found = func(*args)  # the table answers as of now...
+        await asyncio.sleep(2)  # ...and the answer takes 2 s to come back
+        return found
+
+    monkeypatch.setattr(asyncio, "to_thread", slow_answer)
+
+    async def scenario():
+        waiter = CompletionWaiter(store)
+        waiting = asyncio.create_task(waiter.wait("a", 20))  # another client long-polls "a"
+        await asyncio.sleep(1.5)  # its first round's read is on its way; "a" was cancelled at 1.0
+        seen = await waiter.read("a")
+        waiting.cancel()
+        return seen
+
+    assert run(scenario()).status is TaskStatus.cancelled
+
+
+def test_a_record_that_cannot_be_read_fails_only_its_own_first_looks():
+    # One record a newer release wrote (a status this one does not know):
+    # every other task's first look in the round failed with it, a 500.
+    class OneUnreadable(FakeStore):
+        def get_many(self, task_ids):
+            found = super().get_many(task_ids)
+            if "newer" in found:
+                raise ValueError("1 validation error for TaskRecord: status")
+            return found
+
+    store = OneUnreadable({"newer": [(0, record("newer"))], "a": [(0, record("a"))]})
+
+    async def scenario():
+        waiter = CompletionWaiter(store)
+        newer = asyncio.ensure_future(waiter.read("newer"))
+        seen = await waiter.read("a")
+        with pytest.raises(ValueError):
+            await newer
+        return seen
+
+    assert run(scenario()).task_id == "a"
