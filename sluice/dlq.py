@@ -204,7 +204,7 @@ def redrive(queues: PriorityQueues, priorities: list[Priority], limit: int = 100
 
 def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Priority], max_attempts: int,
                 limit: int = 100, scan: int = _SCAN,
-                known_final: set[tuple[str, int]] | None = None) -> dict[str, int]:
+                known_final: set[tuple[str, int]] | None = None, until: float | None = None) -> dict[str, int]:
     """For each dead-lettered message whose task has no outcome yet: a task that
     started `max_attempts` times (and never finished: each run took its worker
     down) is failed with a readable error; any other goes back to its queue
@@ -223,7 +223,12 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     (and bounded here), each as (task id, created_at): a final task stays
     final, so their records are not read again, but a later task under the
     same id (an Idempotency-Key reused once the first outlived its TTL) is
-    another task."""
+    another task.
+
+    `until`: when (time.monotonic()) the whole round stops receiving, for a
+    caller with a deadline of its own (the settler Lambda's timeout): what it
+    then hides and shows again must still fit, or the next round starts at
+    the same head."""
     known_final = set() if known_final is None else known_final
     if len(known_final) > _KNOWN_FINAL_MAX:
         known_final.clear()
@@ -236,7 +241,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
         passed: list[dict] = []  # nothing to settle for their task: final, or gone
         settled = 0
         reached_end = False  # or stopped at `limit`: not at `scan` or out of time
-        stop_at = time.monotonic() + _HIDE_S / 2
+        stop_at = min(time.monotonic() + _HIDE_S / 2, until if until is not None else float("inf"))
         try:
             while len(seen) < scan and time.monotonic() < stop_at:
                 want = min(100, scan - len(seen))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import threading
 
 import pytest
@@ -401,3 +402,10 @@ def test_a_redriven_task_gets_its_runs_anew(settings):
     assert redrive(queues, [Priority.normal]) == 1
     [message] = receive_all(settings, 1)
     assert message.task().runs_before is None and message.receive_count == 1
+
+
+def test_a_round_past_its_deadline_receives_nothing(settings):
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "later")
+    assert settle_dead(queues, store, [Priority.normal], 3, until=time.monotonic()) == {"failed": 0, "requeued": 0}
+    assert [d["task_id"] for d in list_dead(queues, [Priority.normal])] == ["later"]  # left for the next round

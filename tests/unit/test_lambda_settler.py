@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 from types import SimpleNamespace
 
 import boto3
@@ -58,7 +59,8 @@ def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, mon
     module = importlib.reload(module)
     counts = module.handler({"source": "aws.events"}, SimpleNamespace(
         function_name="sluice-settler", memory_limit_in_mb=256, aws_request_id="req",
-        invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:sluice-settler"))
+        invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:sluice-settler",
+        get_remaining_time_in_millis=lambda: 60_000))
 
     assert counts == {"failed": 1, "requeued": 1}
     failed = store.get(crashed)
@@ -70,3 +72,19 @@ def test_the_settler_settles_dead_lettered_tasks_within_its_grants(settings, mon
     used = {access.iam_action(service, op) for service, op in aws_calls}
     assert {"dynamodb:BatchGetItem", "dynamodb:UpdateItem", "sqs:SendMessage", "sqs:ReceiveMessage"} <= used
     assert used <= granted, used - granted
+
+
+def test_the_settler_stops_receiving_in_time_to_finish_its_round_inside_its_timeout(settings, monkeypatch):
+    # Three priorities of 15 s of receiving each, then hiding and showing
+    # again what they passed, ran past the function's 60 s: the hides were
+    # skipped and the next round started at the same head.
+    import lambdas.settler.handler as module
+
+    rounds = []
+    monkeypatch.setattr(module, "settle_dead", lambda *a, until=None, **k: rounds.append(until) or {})
+    now = time.monotonic()
+    module.handler({"source": "aws.events"}, SimpleNamespace(
+        function_name="sluice-settler", memory_limit_in_mb=256, aws_request_id="req",
+        invoked_function_arn="arn:aws:lambda:us-east-1:123456789012:function:sluice-settler",
+        get_remaining_time_in_millis=lambda: 60_000))
+    assert rounds and rounds[0] <= now + 60 - module.AFTER_RECEIVING_S + 1
