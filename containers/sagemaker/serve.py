@@ -40,8 +40,9 @@ as the EKS worker that stops hands back its messages.
 
 A call still waiting for the model REFUSAL_MARGIN_S (5 s) before its caller
 gives up on it (SageMaker's 60 s, or less where the dispatcher's
-CustomAttributes say `sluice-give-up-s=N`) is refused unrun then, with a 503
-whose code is `caller_gone` (CALLER_GONE), while its caller still waits to read
+CustomAttributes say `sluice-give-up-s=N`) is refused unrun then, with a 429
+whose code is `caller_gone` (CALLER_GONE; not a 5xx: SageMaker counts those in
+Invocation5XXErrors, which pages, and this is load shed by design), while its caller still waits to read
 it as a call that ran nothing: its answer would come too late to be read, and
 running it would make the calls queued behind it wait longer still and time
 out too. A caller that left before its answer is logged, not an error of the model.
@@ -283,7 +284,7 @@ def _turn(lock: threading.Lock, give_up_at: float | None):
 
 
 def _caller_gone() -> RequestError:
-    return RequestError(HTTPStatus.SERVICE_UNAVAILABLE, CALLER_GONE,
+    return RequestError(HTTPStatus.TOO_MANY_REQUESTS, CALLER_GONE,
                         "the call waited for the model until its caller was about to give up: not run")
 
 

@@ -75,7 +75,9 @@ _TURNED_AWAY = {"ThrottlingException", "ServiceUnavailable", "ModelNotReadyExcep
 _UNSERVED_MODEL = "unknown_model"
 _MODEL_BROKEN = "model_broken"
 _CALLER_GONE = "caller_gone"  # serve.py's CALLER_GONE: the call waited past our give_up_s
-_REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN), (503, _CALLER_GONE)}
+# caller_gone was a 503 before it became a 429: an instance a deploy has not
+# replaced yet still answers so.
+_REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN), (429, _CALLER_GONE), (503, _CALLER_GONE)}
 # The endpoint's per-task verdicts that every attempt would repeat.
 _PERMANENT = {INVALID_INPUT, "validation_error"}
 

@@ -386,7 +386,7 @@ def test_a_call_whose_caller_has_given_up_is_refused_when_its_turn_comes_and_run
     port, model = server
     model.entered.clear()
     status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: "sluice-give-up-s=0"})
-    assert status == 503 and body["error"]["code"] == serve.CALLER_GONE, body
+    assert status == 429 and body["error"]["code"] == serve.CALLER_GONE, body
     assert not model.entered.is_set()
     assert call(port, "GET", "/ping")[0] == 200  # no verdict on the model
     status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: "sluice-give-up-s=30"})
@@ -408,7 +408,7 @@ def test_a_call_waiting_behind_a_long_batch_is_refused_in_time_for_its_caller_to
         started = time.monotonic()
         status, body = post_with(port, request_body, **{serve.CUSTOM_ATTRIBUTES: f"sluice-give-up-s={give_up_s:g}"})
         waited = time.monotonic() - started
-        assert status == 503 and body["error"]["code"] == serve.CALLER_GONE, body
+        assert status == 429 and body["error"]["code"] == serve.CALLER_GONE, body
         assert waited < give_up_s, "refused only after its caller had given up"
         assert model.batches == []  # the long batch still runs; this call ran nothing
     finally:
