@@ -185,7 +185,9 @@ class Observability(Construct):
                 f"Oldest{p.title()}OverSlo",
                 oldest,
                 slo,
-                f"A {p} task has waited over {slo} s: workers are behind or down.",
+                # SQS leaves out of this age a message received 3 times or more, and a requeue's
+                # message starts at 0: tasks handed back again and again show in the DLQ alarms.
+                f"A {p} queue's oldest message has waited over {slo} s: workers are behind or down.",
                 periods=3,
             )
 

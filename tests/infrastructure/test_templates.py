@@ -360,7 +360,7 @@ def test_dashboard_and_alarms(synth, backend):
     described = " ".join(a["Properties"]["AlarmDescription"] for a in alarms)
     for p in PRIORITIES:
         assert f"The {p} dead-letter queue" in described
-        assert f"A {p} task has waited over" in described
+        assert f"A {p} queue's oldest message has waited over" in described
     assert "5xx" in described and "p99 latency" in described
     dlq_alarms = [a for a in alarms if "dead-letter" in a["Properties"]["AlarmDescription"]]
     assert all(a["Properties"]["Threshold"] == 0 for a in dlq_alarms)
