@@ -100,9 +100,15 @@ class PriorityQueues:
 
     def _url_of(self, name: str) -> str:
         with self._lock:
-            if name not in self._urls:
-                self._urls[name] = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
-            return self._urls[name]
+            url = self._urls.get(name)
+        if url is None:
+            # Looked up outside the lock: a lookup waiting on SQS (12 s with the
+            # SDK's retries) held every other queue's cached one, and every
+            # submit and heartbeat behind it. Two lookups of a name at once find the same.
+            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
+            with self._lock:
+                url = self._urls.setdefault(name, url)
+        return url
 
     # ------------------------------------------------------------------ send
     def send(self, message: TaskMessage) -> None:

@@ -41,6 +41,39 @@ def test_send_receive_delete_per_priority(settings):
 
 
 
+def test_a_queue_url_lookup_in_flight_does_not_hold_up_the_cached_ones(settings):
+    # The lookup ran under the lock every url() takes: one waiting on a slow
+    # SQS held every submit's and heartbeat's cached lookup behind it.
+    queues = PriorityQueues(settings)
+    queues.url(Priority.normal)  # cached from here on
+    asked, release = threading.Event(), threading.Event()
+
+    class HeldLookups:  # this instance's client only: the shared one stays as it is
+        def __init__(self, sqs):
+            self.sqs = sqs
+
+        def __getattr__(self, name):
+            return getattr(self.sqs, name)
+
+        def get_queue_url(self, **params):
+            asked.set()
+            release.wait(10)
+            return self.sqs.get_queue_url(**params)
+
+    queues.sqs = HeldLookups(queues.sqs)
+    lookup = threading.Thread(target=queues.dlq_url, args=(Priority.high,))
+    lookup.start()
+    cached = threading.Event()
+    try:
+        assert asked.wait(5), "the DLQ's lookup never asked SQS"
+        threading.Thread(target=lambda: (queues.url(Priority.normal), cached.set()), daemon=True).start()
+        assert cached.wait(5), "a cached queue URL waited on another queue's lookup"
+    finally:
+        release.set()
+        lookup.join(10)
+    assert queues.dlq_url(Priority.high).endswith(settings.queue_name(Priority.high, dlq=True))
+
+
 def test_a_failed_chunk_or_entry_does_not_stop_the_others_and_is_logged(settings, caplog, monkeypatch):
     # A heartbeat extending 25 messages: the first chunk's call failing must not
     # leave the next 15 to lapse, and entries SQS refuses must not pass unseen.
