@@ -85,6 +85,8 @@ class ApiKeys:
             existing = self._load(record.key_hash)
             if existing is None or existing.tenant_id != tenant_id:
                 raise ValueError("this key is already registered to another tenant") from None
+            if existing.revoked:
+                raise ValueError("this key was revoked: choose another") from None
             return key, existing
         return key, record
 

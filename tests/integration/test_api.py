@@ -73,6 +73,10 @@ def test_a_key_is_revoked_by_its_id_or_by_itself_whatever_its_form(api):
         assert api.get("/v1/models", headers={"x-api-key": key}).status_code == 403
     with pytest.raises(LookupError, match="no API key with id or value nothing-like-it"):
         api.keys.revoke("nothing-like-it")
+    # Registered again (make run with the same SLUICE_API_KEY on a kept table):
+    # said plainly, not handed back as if it worked, to be answered 403.
+    with pytest.raises(ValueError, match="revoked"):
+        api.keys.create("tenant-c", "my-chosen-demo-key")
 
 
 def test_a_request_without_a_key_is_401_before_its_body_is_read(api):
