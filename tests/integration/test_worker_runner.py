@@ -399,3 +399,33 @@ def test_a_long_poll_reads_as_much_for_another_tenants_task_as_for_none(api, set
             assert response.status_code == 404, response.text
             seen[name] = list(reads)
     assert seen["foreign"] == seen["missing"] == ["get_many"], seen
+
+
+def test_a_bisected_batch_is_counted_once_with_the_time_of_its_failed_runs(settings):
+    # Only the runs that succeeded were recorded: a batch split around a
+    # poison input showed Throughput about 3 x the model's pace, and its halves as batches.
+    from types import SimpleNamespace
+
+    from models.synthetic import SyntheticModel
+    from sluice.contract import TaskMessage
+    from sluice.lifecycle import Job
+    from sluice.worker.runner import BatchRunner
+
+    recorded = []
+
+    class Recorder:
+        def record_batch(self, size, inference_ms, busy=True):
+            recorded.append((size, inference_ms))
+
+    runner = BatchRunner(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=20, faults=True)},
+                         metrics=Recorder())
+    texts = ["a", "b", "c", "x !crash", "d", "e", "f", "g"]
+    jobs = [Job(TaskMessage(task_id=f"t{i}", tenant_id="t", model="synthetic", priority=Priority.normal,
+                            input_count=1, inputs=[text], enqueued_at=0), [SimpleNamespace(receive_count=1)],
+                inputs=[text]) for i, text in enumerate(texts)]
+    started = time.perf_counter()
+    outcomes = runner.infer(jobs)
+    took_ms = (time.perf_counter() - started) * 1000
+    assert sorted(o.job.message.task_id for o in outcomes if o.error) == ["t3"]
+    assert [size for size, _ in recorded] == [8]
+    assert recorded[0][1] >= 0.9 * took_ms, (recorded, took_ms)
