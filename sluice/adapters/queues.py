@@ -163,15 +163,22 @@ class PriorityQueues:
         (sluice.lifecycle) whose message is newer than its runs (requeued by
         settling, sluice.dlq), which SQS would not move. Sent first, then deleted: a failure in between leaves
         a duplicate dead letter rather than none. Raises when any was not sent
-        (it comes back, and its next receive acknowledges it: its task is final)."""
+        (it comes back, and its next receive acknowledges it: its task is final),
+        having tried every priority: one whose queue failed stops no other."""
         by_priority: dict[Priority, list[Received]] = defaultdict(list)
         for m in messages:
             by_priority[m.priority].append(m)
         unsent: list[str] = []
+        errors: list[Exception] = []
         for priority, group in by_priority.items():
-            stored = self.send_bodies(self.dlq_url(priority), [m.body for m in group])
-            unsent += [m.task().task_id for i, m in enumerate(group) if i not in stored]
-            self.delete_many([m for i, m in enumerate(group) if i in stored])
+            try:
+                stored = self.send_bodies(self.dlq_url(priority), [m.body for m in group])
+                unsent += [m.task().task_id for i, m in enumerate(group) if i not in stored]
+                self.delete_many([m for i, m in enumerate(group) if i in stored])
+            except Exception as exc:  # noqa: BLE001 - raised below, once the other priorities are moved
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         if unsent:
             raise SendFailed(unsent)
 

@@ -215,6 +215,35 @@ class FailsToStore:
             {"Id": e["Id"], "SenderFault": False, "Code": "InternalError", "Message": "not stored"} for e in refused]}
 
 
+def test_a_dead_letter_send_that_raises_for_one_priority_leaves_the_others_moved(settings):
+    # The first priority whose send raised ended the call: the messages of the
+    # priorities after it were never sent to their dead-letter queues.
+    queues = PriorityQueues(settings)
+    queues.send_many([message("h", Priority.high), message("l", Priority.low)])
+    held = drain(queues, Priority.high, 1) + drain(queues, Priority.low, 1)
+    high_dlq = queues.dlq_url(Priority.high)
+
+    class HighDlqDown:
+        def __init__(self, sqs):
+            self.sqs = sqs
+
+        def __getattr__(self, name):
+            return getattr(self.sqs, name)
+
+        def send_message_batch(self, QueueUrl, Entries):
+            if QueueUrl == high_dlq:
+                raise EndpointConnectionError(endpoint_url="http://down")
+            return self.sqs.send_message_batch(QueueUrl=QueueUrl, Entries=Entries)
+
+    real, queues.sqs = queues.sqs, HighDlqDown(queues.sqs)
+    with pytest.raises(EndpointConnectionError):
+        queues.dead_letter(held)
+    queues.sqs = real
+    assert [d["task_id"] for d in list_dead(queues, [Priority.low])] == ["l"]
+    assert depth(queues, queues.url(Priority.low)) == (0, 0)  # moved, not left behind
+    assert depth(queues, queues.url(Priority.high)) == (0, 1)  # still held: it comes back
+
+
 @pytest.mark.parametrize("move", ["settle", "redrive"])
 def test_a_dead_letter_sqs_did_not_store_elsewhere_stays_in_the_dlq(settings, move):
     queues, store = PriorityQueues(settings), TaskStore(settings)
