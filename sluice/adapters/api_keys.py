@@ -65,6 +65,11 @@ class ApiKeys:
 
     def create(self, tenant_id: str, key: str | None = None) -> tuple[str, ApiKeyRecord]:
         check_tenant(tenant_id)
+        if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+            # The API reads a header's bytes as Latin-1 and strips its ends, and
+            # keys are stored by the hash of their UTF-8 bytes: such a key would
+            # be answered 403 however it was sent.
+            raise ValueError("an API key is printable ASCII without spaces at either end")
         key = key or KEY_PREFIX + secrets.token_urlsafe(32)
         record = ApiKeyRecord(
             key_hash=hash_key(key), tenant_id=tenant_id, key_id=secrets.token_hex(8), created_at=now_ms()

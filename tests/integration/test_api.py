@@ -79,6 +79,14 @@ def test_a_key_is_revoked_by_its_id_or_by_itself_whatever_its_form(api):
         api.keys.create("tenant-c", "my-chosen-demo-key")
 
 
+@pytest.mark.parametrize("key", ["clé-demo", " padded", "tab\tinside"])
+def test_a_chosen_key_no_request_could_carry_is_refused_when_registered(api, key):
+    # Stored by the hash of its UTF-8 bytes, read from a header as Latin-1 and
+    # stripped: registered, it was answered 403 however it was sent.
+    with pytest.raises(ValueError, match="printable ASCII"):
+        api.keys.create("tenant-c", key)
+
+
 def test_a_request_without_a_key_is_401_before_its_body_is_read(api):
     # Not 400 for the body, 413 for its size or 422 for its fields: the caller
     # is refused before the API buffers or parses anything it sent.
