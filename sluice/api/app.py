@@ -50,8 +50,8 @@ from sluice.settings import Settings
 
 READY_BUDGET_S = 3.0  # within a load balancer's or kubelet's usual probe timeout
 # Submits wait in their threads while a group commit writes, for as long as the
-# table or the queue takes to answer (12 s a call at worst; a submit that finds
-# both hung waits out two: tests/reliability/test_dependencies.py). From AnyIO's default
+# table or the queue takes to answer (12 s at worst: one hung call, whose
+# rollback waits in the background; tests/reliability/test_dependencies.py). From AnyIO's default
 # pool (40) they could take every thread while a dependency stalls, and reads
 # and cancels would queue behind them: submits get threads of their own.
 SUBMIT_THREADS = 32
