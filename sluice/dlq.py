@@ -99,16 +99,14 @@ def _move(queues: PriorityQueues, source: str, target: str, messages: list[dict]
     for chunk in _batches(messages):
         stored = queues.send_bodies(target, [m["Body"] for m in chunk])
         left += [m for i, m in enumerate(chunk) if i not in stored]
-        if stored:
-            queues.sqs.delete_message_batch(QueueUrl=source, Entries=[
-                {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk) if i in stored])
+        _delete(queues, source, [m for i, m in enumerate(chunk) if i in stored])
     return left
 
 
 def _delete(queues: PriorityQueues, url: str, messages: list[dict]) -> list[dict]:
     """Delete received messages; returns those not deleted, still hidden."""
     left: list[dict] = []
-    for chunk in _batches(messages):
+    for chunk in _batches(messages):  # an empty list makes no call
         failed = queues.sqs.delete_message_batch(QueueUrl=url, Entries=[
             {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(chunk)]).get("Failed", [])
         left += [chunk[int(f["Id"])] for f in failed]
