@@ -130,11 +130,12 @@ def one_of(name: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def demo_key() -> str | None:
-    """SLUICE_API_KEY, if set: one the API can match. It reads a header's bytes
-    as Latin-1 and strips its ends, and keys are stored by the hash of their
-    UTF-8 bytes: any other key would be answered 403 however it was sent."""
+    """SLUICE_API_KEY, if set: one the API can match (api_keys.carriable),
+    refused before anything starts."""
+    from sluice.adapters.api_keys import carriable
+
     key = os.environ.get("SLUICE_API_KEY") or None
-    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+    if key is not None and not carriable(key):
         raise RefusedSetting(f"SLUICE_API_KEY={key!r}: should be printable ASCII without spaces at either end")
     return key
 

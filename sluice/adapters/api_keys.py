@@ -52,6 +52,13 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def carriable(key: str) -> bool:
+    """Whether a request can carry the key: the API reads a header's bytes as
+    Latin-1 and strips its ends, and keys are stored by the hash of their
+    UTF-8 bytes, so any other key would be answered 403 however it was sent."""
+    return key.isascii() and key.isprintable() and key == key.strip()
+
+
 class ApiKeys:
     def __init__(self, settings: Settings, cache_size: int = 10_000):
         self.table = settings.keys_table
@@ -65,10 +72,7 @@ class ApiKeys:
 
     def create(self, tenant_id: str, key: str | None = None) -> tuple[str, ApiKeyRecord]:
         check_tenant(tenant_id)
-        if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
-            # The API reads a header's bytes as Latin-1 and strips its ends, and
-            # keys are stored by the hash of their UTF-8 bytes: such a key would
-            # be answered 403 however it was sent.
+        if key is not None and not carriable(key):
             raise ValueError("an API key is printable ASCII without spaces at either end")
         key = key or KEY_PREFIX + secrets.token_urlsafe(32)
         record = ApiKeyRecord(
