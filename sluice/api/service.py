@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from typing import NamedTuple
 
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
@@ -109,6 +110,14 @@ LATE_WRITE_WATCH_S = 30.0
 _WATCH_EVERY_S = 1.0
 
 
+class _Rollback(NamedTuple):
+    task_id: str
+    token: str
+    since: float  # handed to the background (time.monotonic())
+    watch_until: float  # a record not found may land until then (LATE_WRITE_WATCH_S)
+    due: float  # not tried again before
+
+
 class Compensator:
     """Deletes the records of submits whose message was never sent: at once,
     and, while the table cannot be reached, again in the background with
@@ -178,7 +187,7 @@ class Compensator:
             self._unsettled[task_id] += 1
         now = time.monotonic()
         try:
-            self._pending.put_nowait((task_id, token, now, now + watch_s, now))
+            self._pending.put_nowait(_Rollback(task_id, token, now, now + watch_s, now))
         except queue.Full:
             log.error("could not roll back task %s: compensation backlog full", task_id)
             self._settle(task_id)
@@ -190,8 +199,7 @@ class Compensator:
 
     def _run(self) -> None:
         backoff = 0.5
-        # An item: (task id, token, handed over at, watched until, due at).
-        held: tuple[str, str, float, float, float] | None = None  # one to retry that found the queue full
+        held: _Rollback | None = None  # one to retry that found the queue full
         while True:
             if held is not None:
                 item, held = held, None
@@ -204,45 +212,40 @@ class Compensator:
                             self._thread = None
                             return
                     continue
-            task_id, token, since, watch_until, due = item
-            if due > time.monotonic():  # a watched one: what is behind it waits _WATCH_EVERY_S at most
-                self._wake.wait(due - time.monotonic())
+            if item.due > time.monotonic():  # a watched one: what is behind it waits _WATCH_EVERY_S at most
+                self._wake.wait(item.due - time.monotonic())
             try:
-                kept = self.store.delete_if_queued(task_id, token)
+                kept = self.store.delete_if_queued(item.task_id, item.token)
             except Exception as exc:  # noqa: BLE001 - this thread is the backlog's only reader: it must not die
-                _log_unexpected(exc, task_id)
-                if time.monotonic() - since > self.give_up_s:
-                    log.error("gave up rolling back task %s after %.0fs", task_id, self.give_up_s)
-                    self._settle(task_id)
+                _log_unexpected(exc, item.task_id)
+                if time.monotonic() - item.since > self.give_up_s:
+                    log.error("gave up rolling back task %s after %.0fs", item.task_id, self.give_up_s)
+                    self._settle(item.task_id)
                     continue
+                failed = True
             else:
+                failed = False
                 backoff = 0.5
                 # Kept: another submit claimed the record. Draining: a write
                 # that may never land does not hold up the shutdown.
-                if kept or time.monotonic() >= watch_until or self._wake.is_set():
-                    self._settle(task_id)
-                else:  # none left now, but the write may land yet
-                    item = (task_id, token, since, watch_until, time.monotonic() + _WATCH_EVERY_S)
-                    if not self._again(item):
-                        held = item
-                continue
-            if not self._again(item):
+                if kept or time.monotonic() >= item.watch_until or self._wake.is_set():
+                    self._settle(item.task_id)
+                    continue
+                item = item._replace(due=time.monotonic() + _WATCH_EVERY_S)  # none left now; the write may land yet
+            try:
+                self._pending.put_nowait(item)
+            except queue.Full:
+                # Requests filled the queue while this delete was tried. This
+                # thread is the queue's only reader, so a blocking put would
+                # wait for ever: the delete is retried in place instead.
                 held = item
+            if not failed:
+                continue  # a watched one waits for its due time, not a backoff
             if self._wake.is_set():
                 time.sleep(0.2)  # draining: retry soon, not after a backoff that drain would not outlive
             else:
                 self._wake.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
-
-    def _again(self, item: tuple[str, str, float, float, float]) -> bool:
-        """Back in the queue, or False: requests filled it while the delete
-        was tried. This thread is the queue's only reader, so a blocking put
-        would wait for ever: the caller retries the item in place instead."""
-        try:
-            self._pending.put_nowait(item)
-            return True
-        except queue.Full:
-            return False
 
 
 def _timed_out(exc: Exception) -> bool:
