@@ -16,6 +16,18 @@ from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, redrive, settle_dead
 
 
+class SqsSeam:
+    """Test seam over the real client, set on one PriorityQueues instance (the
+    shared cached client stays as it is): a subclass replaces the calls it
+    changes, and every other call goes through."""
+
+    def __init__(self, sqs):
+        self.sqs = sqs
+
+    def __getattr__(self, name):
+        return getattr(self.sqs, name)
+
+
 def message(task_id: str, priority=Priority.normal) -> TaskMessage:
     return TaskMessage(task_id=task_id, tenant_id="t", model="synthetic", priority=priority,
                        input_count=1, inputs=["x"], enqueued_at=0)
@@ -48,13 +60,7 @@ def test_a_queue_url_lookup_in_flight_does_not_hold_up_the_cached_ones(settings)
     queues.url(Priority.normal)  # cached from here on
     asked, release = threading.Event(), threading.Event()
 
-    class HeldLookups:  # this instance's client only: the shared one stays as it is
-        def __init__(self, sqs):
-            self.sqs = sqs
-
-        def __getattr__(self, name):
-            return getattr(self.sqs, name)
-
+    class HeldLookups(SqsSeam):
         def get_queue_url(self, **params):
             asked.set()
             release.wait(10)
@@ -196,16 +202,14 @@ def test_a_settling_process_reads_a_final_tasks_record_once(settings):
     assert read == ["handed-back"]  # the final ones were not read again
 
 
-class FailsToStore:
-    """Test seam over the real client: SendMessageBatch stores every entry but
-    those of `task_id` on moto, and reports that one in `Failed`, as SQS does
-    for an entry it could not store (HTTP 200, nothing raised)."""
+class FailsToStore(SqsSeam):
+    """SendMessageBatch stores every entry but those of `task_id` on moto, and
+    reports that one in `Failed`, as SQS does for an entry it could not store
+    (HTTP 200, nothing raised)."""
 
     def __init__(self, sqs, task_id: str):
-        self.sqs, self.task_id = sqs, task_id
-
-    def __getattr__(self, name):
-        return getattr(self.sqs, name)
+        super().__init__(sqs)
+        self.task_id = task_id
 
     def send_message_batch(self, QueueUrl, Entries):
         refused = [e for e in Entries if json.loads(e["MessageBody"])["task_id"] == self.task_id]
@@ -223,13 +227,7 @@ def test_a_dead_letter_send_that_raises_for_one_priority_leaves_the_others_moved
     held = drain(queues, Priority.high, 1) + drain(queues, Priority.low, 1)
     high_dlq = queues.dlq_url(Priority.high)
 
-    class HighDlqDown:
-        def __init__(self, sqs):
-            self.sqs = sqs
-
-        def __getattr__(self, name):
-            return getattr(self.sqs, name)
-
+    class HighDlqDown(SqsSeam):
         def send_message_batch(self, QueueUrl, Entries):
             if QueueUrl == high_dlq:
                 raise EndpointConnectionError(endpoint_url="http://down")
