@@ -7,6 +7,7 @@ from the models in this module, so the three can never drift apart.
 from __future__ import annotations
 
 import enum
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -261,18 +262,34 @@ class ErrorResponse(BaseModel):
 # ------------------------------------------------------------ queue and store
 
 
+def sent_by(body: str) -> tuple[str | None, int | None]:
+    """(task id, enqueued_at) of the submit that sent a message, as far as its
+    body says, read as plain JSON: also from a body this release cannot parse
+    as a TaskMessage (a newer release's, during a rolling deploy)."""
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(fields, dict):
+        return None, None
+    task_id, enqueued_at = fields.get("task_id"), fields.get("enqueued_at")
+    return (task_id if isinstance(task_id, str) else None,
+            enqueued_at if isinstance(enqueued_at, int) and not isinstance(enqueued_at, bool) else None)
+
+
 class TaskMessage(_Strict):
     """The SQS message body. Inputs travel inline, or by reference when large."""
 
     # Read by workers of other releases while a deploy rolls: one that does not
-    # know a field added later runs the task all the same (a message it
-    # dropped would leave its task queued for ever).
+    # know a field added later runs the task all the same. One it cannot parse
+    # at all (a value or rule of a newer release) it hands back unrun, never
+    # deletes: dropped, its task would stay queued for ever.
     model_config = ConfigDict(extra="ignore", use_enum_values=False)
 
     v: int = SCHEMA_VERSION
     # Bounded as the API makes them: a message with an id DynamoDB refuses as a
     # key (empty, over 2048 bytes) would fail its whole batch's claim on AWS
-    # (moto lets it through); unparseable, it is dropped alone.
+    # (moto lets it through); unparseable, it is handed back alone.
     task_id: TaskId
     tenant_id: TenantId
     model: str
@@ -291,7 +308,8 @@ class TaskMessage(_Strict):
 
     @model_validator(mode="after")
     def _inputs_inline_xor_by_key(self) -> TaskMessage:
-        # A message that breaks this is not a task: workers and the dispatcher drop it.
+        # A message that breaks this is not a task this release can run: workers and
+        # the dispatcher hand it back, never delete it (sluice.worker.runner.prepare).
         if (self.inputs is None) == (self.inputs_key is None):
             raise ValueError("a task message carries its inputs inline or an inputs_key, exactly one of them")
         if self.inputs is not None and len(self.inputs) != self.input_count:

@@ -32,7 +32,7 @@ import time
 
 from sluice.adapters.queues import PriorityQueues, sqs_safe
 from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
-from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus, now_ms
+from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus, now_ms, sent_by
 
 log = logging.getLogger("sluice.dlq")
 
@@ -113,27 +113,11 @@ def _delete(queues: PriorityQueues, url: str, messages: list[dict]) -> list[dict
     return left
 
 
-def _sender(body: str) -> dict:
-    """A message body's fields, {} when it is not a JSON object."""
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        return {}
-    return fields if isinstance(fields, dict) else {}
-
-
-def _sent_by(body: str) -> tuple[str | None, int | None]:
-    """(task id, enqueued_at) of the submit that sent a message, as far as its body says."""
-    fields = _sender(body)
-    task_id, enqueued_at = fields.get("task_id"), fields.get("enqueued_at")
-    return (task_id if isinstance(task_id, str) else None, enqueued_at if isinstance(enqueued_at, int) else None)
-
-
 def _record_of(records: dict[str, TaskRecord], body: str) -> TaskRecord | None:
     """The record of the task that sent this message: one of a later submit
     under the same id (its Idempotency-Key reused once the task outlived its
     TTL, while this message waited out its 14 days here) is another task's."""
-    task_id, enqueued_at = _sent_by(body)
+    task_id, enqueued_at = sent_by(body)
     record = records.get(task_id) if task_id else None
     if record is None or (enqueued_at is not None and record.created_at != enqueued_at):
         return None
@@ -150,7 +134,7 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
         messages = _receive_all(queues, url, limit - len(found))
         _show_again(queues, url, messages)
         found += [{"priority": priority.value, "message_id": m["MessageId"], "body": m["Body"],
-                   "attributes": m.get("Attributes", {}), "task_id": _sent_by(m["Body"])[0]} for m in messages]
+                   "attributes": m.get("Attributes", {}), "task_id": sent_by(m["Body"])[0]} for m in messages]
     if store is not None:
         records = store.get_many([i["task_id"] for i in found if i["task_id"]])
         for item in found:
@@ -250,7 +234,13 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     reached_end = True
                     break
                 seen.update(m["MessageId"] for m in new)
-                ids = {t for t, sent in (_sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
+                # One this release cannot parse stays for a release that can
+                # (its settling requeues it) or for operators; its id is not
+                # read either: it may be one no table takes as a key.
+                readable = [m for m in new if _readable(m["Body"])]
+                passed += [m for m in new if m not in readable]
+                new = readable
+                ids = {t for t, sent in (sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
                 records = store.get_many(ids) if ids else {}
                 requeue = []
                 for m in new:
@@ -300,6 +290,14 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
     return counts
 
 
+def _readable(body: str) -> bool:
+    try:
+        TaskMessage.model_validate_json(body)
+    except ValueError:
+        return False
+    return True
+
+
 def _counting_runs(body: str, runs: int) -> str:
     """The body of a requeued task's new message: it carries the runs so far,
     which SQS's receive count restarts from 1 without (sluice.lifecycle); 0:
@@ -307,7 +305,7 @@ def _counting_runs(body: str, runs: int) -> str:
     newer release, which this one's model ignores, stays in it."""
     try:
         message = TaskMessage.model_validate_json(body)
-    except ValueError:  # not a task: a worker drops it all the same
+    except ValueError:  # settling requeues none such (_readable)
         return body
     if runs < 1 and message.runs_before is None:
         return body

@@ -55,6 +55,7 @@ from sluice.contract import (
     ErrorResponse,
     TaskMessage,
     now_ms,
+    sent_by,
 )
 from sluice.lifecycle import (
     INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes,
@@ -137,7 +138,7 @@ class Dispatcher:
         deliver again; every other message is finished and may be deleted.
         `time_left_s`: what is left of the invocation (the Lambda context's)."""
         retry: dict[str, str] = {}
-        jobs = self._parse(deliveries)
+        jobs = self._parse(deliveries, retry)
         claimed = claim(self.store, list(jobs.values()), now_ms(), self.settings.max_attempts) if jobs else Claim()
         # Expired and gone (rolled back, duplicate, cancelled) tasks are simply acknowledged.
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
@@ -154,14 +155,20 @@ class Dispatcher:
         return retry
 
     # ------------------------------------------------------------ claim
-    def _parse(self, deliveries: list[Delivery]) -> dict[str, Job]:
+    def _parse(self, deliveries: list[Delivery], retry: dict[str, str]) -> dict[str, Job]:
+        """The batch's jobs. A message this release cannot parse (a value or
+        rule of a newer release, during a deploy; or no task at all) goes in
+        `retry`, never deleted: dropped, its task would stay queued for ever.
+        After max_attempts receives SQS moves it to the DLQ, where settling
+        leaves it for a release that can read it, or for operators."""
         jobs: dict[str, Job] = {}
         for d in deliveries:
             try:
                 message = TaskMessage.model_validate_json(d.body)
-            except ValidationError:
-                # Not a task: redelivering it cannot help. Acknowledged and logged.
-                log.error("dropping a message that is not a task", extra={"message_id": d.message_id})
+            except ValidationError as exc:
+                log.error("handing back a message this release cannot read (%d errors)", exc.error_count(),
+                          extra={"message_id": d.message_id, "task_id": sent_by(d.body)[0]})
+                retry[d.message_id] = "a message this release cannot read"
                 continue
             gather(jobs, message, d)  # a stale delivery is left out: acknowledged, as one not in `retry`
         return jobs

@@ -36,7 +36,7 @@ def runs_alone(message: Received) -> bool:
         return False
     try:
         return bool(message.task().runs_before)
-    except Exception:  # not a task: the runner drops it
+    except Exception:  # not a task this release reads: the runner hands it back
         return False
 
 

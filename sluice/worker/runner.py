@@ -34,7 +34,7 @@ from models.base import ModelInputError
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
-from sluice.contract import now_ms
+from sluice.contract import now_ms, sent_by
 from sluice.isolation import BROKEN_AFTER, BrokenModelWatch, run_isolating
 from sluice.lifecycle import (
     Job, Outcome, OutcomePlan, claim, gather, load_inputs, plan_outcomes, record_outcomes, refused, sqs_dead_letters,
@@ -83,14 +83,17 @@ class BatchRunner:
         without it they are handed back here."""
         ack: list[Received] = []
         unserved: dict[str, list[Received]] = {}  # by model
+        unparsed: list[Received] = []
         jobs: dict[str, Job] = {}
         now = now_ms()
         for received in batch:
             try:
                 message = received.task()
-            except ValidationError:
-                log.error("dropping a message that is not a task", extra={"message_id": received.message_id})
-                ack.append(received)
+            except ValidationError as exc:
+                log.error("handing back a message this release cannot read (%d errors, first at %s)",
+                          exc.error_count(), ".".join(map(str, exc.errors()[0]["loc"])) or "the body",
+                          extra={"message_id": received.message_id, "task_id": sent_by(received.body)[0]})
+                unparsed.append(received)
                 continue
             # Past its deadline, the claim expires it whatever its model: handed
             # back, it would circle until a worker with the model came, if any.
@@ -98,8 +101,8 @@ class BatchRunner:
                 unserved.setdefault(message.model, []).append(received)
                 continue
             ack += gather(jobs, message, received)
-        if unserved:
-            self._hand_back_unserved(unserved, give_back or partial(hand_back, self.queues))
+        if unserved or unparsed:
+            self._hand_back_unserved(unserved, unparsed, give_back or partial(hand_back, self.queues))
 
         # If it raises, it took back its starts.
         claimed = claim(self.store, list(jobs.values()), now, self.settings.max_attempts)
@@ -116,20 +119,25 @@ class BatchRunner:
             raise
         return Prepared(runnable, ack, unreadable, [d for job in claimed.spent for d in job.deliveries])
 
-    def _hand_back_unserved(self, unserved: dict[str, list[Received]], give_back) -> None:
+    def _hand_back_unserved(self, unserved: dict[str, list[Received]], unparsed: list[Received], give_back) -> None:
         """The API and the workers read SLUICE_MODELS apart: in a rolling deploy
         an API may take a model minutes before this worker serves it. That is
         no attempt of the task, so nothing is written (no start, no error),
-        and the message goes back for a worker that serves the model.
+        and the message goes back for a worker that serves the model. So does
+        a message this release cannot parse (`unparsed`: a value or rule of a
+        newer release, or no task at all), for a worker that can.
         Each hand-back still counts a receive, so the message may reach the
-        DLQ; settling (sluice.dlq) requeues a task with no recorded start.
+        DLQ: settling (sluice.dlq) requeues a task with no recorded start, and
+        leaves one that its release cannot parse there, for a release that
+        can or for operators (`sluice dlq list`).
         A task past its deadline is not handed back: prepare's claim expires it."""
         # Hidden a while, not at once: workers without the model would take it
         # straight back, spending a receive each time.
         delay_s = min(30, max(1, self.settings.visibility_timeout_s // 4))
-        messages = [m for group in unserved.values() for m in group]
-        log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
-                    len(messages), ", ".join(sorted(unserved)), delay_s)
+        messages = [m for group in unserved.values() for m in group] + unparsed
+        if unserved:
+            log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
+                        sum(map(len, unserved.values())), ", ".join(sorted(unserved)), delay_s)
         give_back(messages, delay_s)
         if self.metrics:
             self.metrics.record_handed_back(len(messages))
@@ -192,7 +200,7 @@ class BatchRunner:
     # -------------------------------------------------------------- finish
     def acknowledge(self, messages: list[Received]) -> None:
         """Delete the messages of tasks settled without running (expired,
-        already final, not a task) when their batch goes back unrun. A failed
+        already final) when their batch goes back unrun. A failed
         delete is logged: the message comes back after its visibility timeout,
         and its next receive acknowledges it."""
         if not messages:

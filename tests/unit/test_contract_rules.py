@@ -53,9 +53,10 @@ def test_a_claim_checked_message_counts_inputs_it_does_not_carry():
     assert claim_checked.inputs is None and claim_checked.input_count == 5
 
 
-def test_a_message_without_inputs_is_dropped_by_the_worker_not_retried(settings):
-    """It is not a task (no delivery can run it): acknowledged, where it used
-    to be a failed read of inputs_key None, retried into the dead-letter queue."""
+def test_a_message_without_inputs_is_handed_back_by_the_worker_not_deleted(settings):
+    """No delivery of this release can run it, but deleted (as it used to be)
+    its task would stay queued with no message anywhere: handed back, after
+    max_attempts receives it waits in the DLQ (sluice.dlq leaves it there)."""
     from sluice.worker.runner import BatchRunner
 
     task_id = new_task_id()
@@ -64,8 +65,11 @@ def test_a_message_without_inputs_is_dropped_by_the_worker_not_retried(settings)
                                           created_at=now_ms()))
     body = json.dumps(message(task_id=task_id, inputs=None, input_count=5))
     received = Received(Priority.normal, "m-1", "rh-1", body, 1, time.monotonic())
-    prepared = BatchRunner(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)}).prepare([received])
-    assert prepared.ack == [received] and prepared.jobs == [] and prepared.unreadable == []
+    given_back = []
+    runner = BatchRunner(settings, {"synthetic": SyntheticModel(base_ms=0, per_item_ms=0)})
+    prepared = runner.prepare([received], give_back=lambda messages, delay_s: given_back.extend(messages))
+    assert prepared.ack == [] and prepared.jobs == [] and prepared.unreadable == []
+    assert given_back == [received]
 
 
 # --------------------------------------------------------- B, C: task records

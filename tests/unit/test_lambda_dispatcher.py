@@ -364,16 +364,21 @@ def test_calls_are_the_contract_s_endpoint_requests_within_its_call_limits(dispa
     assert ["caf\u00e9", "\u6771\u4eac"] in [t.inputs for t in request.tasks]
 
 
-def test_a_message_without_inputs_is_not_a_task_and_is_acknowledged(dispatch, settings):
-    # Neither inline inputs nor an inputs_key: no delivery could run it. It used
-    # to be read as inputs_key None, a failed attempt retried into the DLQ.
+@pytest.mark.parametrize("change", [
+    {"inputs": None, "input_count": 5},  # neither inline inputs nor an inputs_key
+    {"priority": "urgent"},  # a value of a newer release, met on a shared queue or a redrive
+    {"inputs": None, "inputs_url": "https://example.com/x", "v": 2},  # a newer way to carry inputs
+])
+def test_a_message_this_release_cannot_read_is_handed_back_not_deleted(dispatch, settings, change):
+    # Deleted (as it used to be), its task would stay queued with no message
+    # anywhere. Handed back, it reaches the DLQ after max_attempts receives,
+    # where settling leaves it for a release that can read it.
     (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["x"]})
     event = sqs_event(settings, 1)
-    body = json.loads(event["Records"][0]["body"])
-    del body["inputs"]
-    event["Records"][0]["body"] = json.dumps({**body, "input_count": 5})
+    body = {k: v for k, v in {**json.loads(event["Records"][0]["body"]), **change}.items() if v is not None}
+    event["Records"][0]["body"] = json.dumps(body)
     SageMakerRuntime.calls.clear()
-    assert dispatch(event) == {"batchItemFailures": []}
+    assert dispatch(event) == {"batchItemFailures": [{"itemIdentifier": event["Records"][0]["messageId"]}]}
     assert SageMakerRuntime.calls == []
     assert_untouched(settings, [task_id])
 
@@ -403,9 +408,10 @@ def test_cancelled_expired_and_foreign_messages_are_acknowledged_without_a_call(
         if body["task_id"] == expired:
             body["deadline_at"] = body["enqueued_at"] - 1
             record["body"] = json.dumps(body)
-    event["Records"].append({**event["Records"][0], "messageId": str(uuid.uuid4()), "body": "not a task"})
+    unreadable = str(uuid.uuid4())
+    event["Records"].append({**event["Records"][0], "messageId": unreadable, "body": "not a task"})
     SageMakerRuntime.calls.clear()
-    assert dispatch(event) == {"batchItemFailures": []}
+    assert dispatch(event) == {"batchItemFailures": [{"itemIdentifier": unreadable}]}
     assert SageMakerRuntime.calls == []
     store = TaskStore(settings)
     assert store.get(cancelled).status == TaskStatus.cancelled
