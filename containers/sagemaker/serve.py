@@ -69,8 +69,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError, to_json
 
-from models.base import ModelInputError
+from models.base import ModelInputError, predict_all
 from models.registry import load_models
 from sluice.contract import (
     EndpointRequest,
@@ -227,7 +228,15 @@ class Endpoint:
             answered, offset = [], 0
             for _, task in group:
                 result = model.result_for_task(outputs[offset : offset + len(task.inputs)])
-                answered.append(EndpointTaskAnswer(task_id=task.task_id, result=result))
+                try:
+                    to_json(result)
+                except PydanticSerializationError as exc:
+                    # This task's failure, not the call's (the whole reply would
+                    # not serialize: a 500, an attempt of every task in it).
+                    answered.append(EndpointTaskAnswer(task_id=task.task_id, error=TaskError(
+                        code=MODEL_ERROR, message=f"the model's result is not JSON: {exc}")))
+                else:
+                    answered.append(EndpointTaskAnswer(task_id=task.task_id, result=result))
                 offset += len(task.inputs)
             return answered
 
@@ -257,14 +266,7 @@ class Endpoint:
                       "on, for SageMaker to replace this instance", name, BROKEN_AFTER)
 
     def _predict(self, model, inputs: list[str]) -> list:
-        limit = min(model.max_batch_size, self.max_batch_size or model.max_batch_size)
-        outputs: list = []
-        for start in range(0, len(inputs), limit):
-            outputs += model.predict_batch(inputs[start : start + limit])
-        # A short answer would shift every later task's outputs onto the wrong task.
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(inputs)} inputs")
-        return outputs
+        return predict_all(model, inputs, min(model.max_batch_size, self.max_batch_size or model.max_batch_size))
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from models.base import ModelInputError
+from models.base import ModelInputError, predict_all
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, Received
 from sluice.adapters.task_store import TaskStore
@@ -176,12 +176,8 @@ class BatchRunner:
         flat = [text for job in jobs for text in job.inputs]
         limit = min(self.settings.max_batch_size, model.max_batch_size)
         started = time.perf_counter()
-        outputs: list[Any] = []
-        for i in range(0, len(flat), limit):
-            outputs += model.predict_batch(flat[i : i + limit])
+        outputs = predict_all(model, flat, limit)
         elapsed_ms = (time.perf_counter() - started) * 1000
-        if len(outputs) != len(flat):
-            raise RuntimeError(f"model returned {len(outputs)} outputs for {len(flat)} inputs")
         outcomes, offset = [], 0
         for job in jobs:
             n = len(job.inputs)

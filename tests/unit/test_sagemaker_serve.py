@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from models.base import ModelInputError
@@ -173,6 +174,36 @@ def test_only_the_poison_task_fails_among_healthy_ones():
         else:
             assert "error" not in answer
             assert [o["length"] for o in answer["result"]["outputs"]] == [len(t) for t in task["inputs"]]
+
+
+class NumpyScores(Recording):
+    """A team's first classifier: a numpy score in the result of '!numpy' inputs."""
+
+    def result_for_task(self, outputs):
+        return {"outputs": outputs, "score": np.float32(0.5) if any("!NUMPY" in o for o in outputs) else 0.5}
+
+
+def test_a_result_json_cannot_hold_is_that_tasks_error_not_the_call_s():
+    # It used to fail the whole reply's serialization: a 500, every task's attempt.
+    endpoint = serve.Endpoint({"echo": NumpyScores()}, default_model="echo")
+    tasks = [{"task_id": "ok", "inputs": ["a"]}, {"task_id": "numpy", "inputs": ["!numpy"]}]
+    body = json.loads(serve.body_of(endpoint.invoke(json.dumps({"model": "echo", "tasks": tasks}).encode(),
+                                                    "application/json")))
+    ok, bad = body["tasks"]
+    assert ok == {"task_id": "ok", "result": {"outputs": ["A"], "score": 0.5}}
+    assert bad["error"]["code"] == "model_error" and "not JSON" in bad["error"]["message"]
+
+
+@pytest.mark.parametrize("answer", [lambda inputs: {"labels": inputs}, lambda inputs: inputs[:-1]])
+def test_an_answer_other_than_one_output_per_input_fails_the_call_s_tasks(answer):
+    """A dict of columns used to give out its keys as outputs, one per task."""
+    model = Recording()
+    model.predict_batch = answer
+    endpoint = serve.Endpoint({"echo": model}, default_model="echo")
+    tasks = [{"task_id": "a", "inputs": ["x"]}, {"task_id": "b", "inputs": ["y"]}]
+    body = json.loads(serve.body_of(endpoint.invoke(json.dumps({"model": "echo", "tasks": tasks}).encode(),
+                                                    "application/json")))
+    assert [a.get("error", {}).get("code") for a in body["tasks"]] == ["model_error", "model_error"]
 
 
 def test_a_crash_in_the_many_task_form_is_that_tasks_error_without_internals(server):
