@@ -58,7 +58,8 @@ def payload_ttl_days(prefix: str, result_ttl_days: int) -> int:
         return max(result_ttl_days, -(-MESSAGE_RETENTION_S // 86400))
     return result_ttl_days
 
-ModelName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+MODEL_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # a catalogue name outside it no request could carry
+ModelName = Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN)]
 InputText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_INPUT_CHARS)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=256)]

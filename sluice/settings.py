@@ -8,6 +8,7 @@ emulator differ only in those standard variables.
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -20,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # The catalogue's names only: models.registry never imports torch (the API's
 # Lambda bundle carries it, and a model's code is imported only when a worker builds it).
 from models.registry import CATALOGUE
-from sluice.contract import Priority
+from sluice.contract import MODEL_NAME_PATTERN, Priority
 
 
 ENV_PREFIX = "SLUICE_"
@@ -229,6 +230,12 @@ def models_problem(models: str) -> PydanticCustomError | None:
     if unknown:
         return PydanticCustomError("unknown_model", "unknown model {unknown}; the catalogue has {known}",
                                    {"unknown": ", ".join(map(repr, unknown)), "known": known})
+    # A catalogue entry (a team's own model) named outside the API's pattern
+    # would be listed by GET /v1/models and refused on every submit.
+    uncallable = [n for n in names if not re.fullmatch(MODEL_NAME_PATTERN, n)]
+    if uncallable:
+        return PydanticCustomError("model_name", "model name {names} is one no request can carry: names match {pattern}",
+                                   {"names": ", ".join(map(repr, uncallable)), "pattern": MODEL_NAME_PATTERN})
     return None
 
 

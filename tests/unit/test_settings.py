@@ -3,6 +3,7 @@ fail later: every task (a batch size of 0) or every call (a wait SQS refuses).""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from sluice.contract import Priority
+from models.registry import CATALOGUE
+from sluice.contract import MODEL_NAME_PATTERN, Priority
 from sluice.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,6 +167,21 @@ def test_a_worker_stopped_while_it_starts_exits_before_loading_a_model(monkeypat
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_catalogue_model_no_request_could_name_is_refused_at_start(monkeypatch):
+    """A team's own entry named outside the API's pattern used to start, be
+    listed by GET /v1/models, and be refused (422) on every submit."""
+    from models.registry import CATALOGUE, ModelSpec
+
+    monkeypatch.setitem(CATALOGUE, "TextClassifier", ModelSpec("TextClassifier", "1", 8, "x", "models.x:X"))
+    monkeypatch.setenv("SLUICE_MODELS", "synthetic,TextClassifier")
+    with pytest.raises(SettingsError, match=r"model name 'TextClassifier' is one no request can carry"):
+        Settings()
+
+
+def test_every_catalogue_name_is_one_a_request_can_carry():
+    assert all(re.fullmatch(MODEL_NAME_PATTERN, name) for name in CATALOGUE)
 
 
 def test_an_unknown_model_is_named_beside_the_catalogue(monkeypatch):
