@@ -31,7 +31,7 @@ import threading
 import time
 
 from sluice.adapters.queues import PriorityQueues, sqs_safe
-from sluice.adapters.task_store import Change, TaskStore, TransitionRejected
+from sluice.adapters.task_store import Change, TaskStore, TransitionRejected, UnreadableRecord
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus, now_ms, sent_by
 
 log = logging.getLogger("sluice.dlq")
@@ -136,10 +136,13 @@ def list_dead(queues: PriorityQueues, priorities: list[Priority], limit: int = 1
         found += [{"priority": priority.value, "message_id": m["MessageId"], "body": m["Body"],
                    "attributes": m.get("Attributes", {}), "task_id": sent_by(m["Body"])[0]} for m in messages]
     if store is not None:
-        records = store.get_many([i["task_id"] for i in found if i["task_id"]])
+        unreadable: dict[str, UnreadableRecord] = {}
+        records = store.get_many([i["task_id"] for i in found if i["task_id"]], unreadable)
         for item in found:
             record = _record_of(records, item["body"])
             item["task_status"] = record.status.value if record else None
+            if item["task_id"] in unreadable:  # as a newer release wrote it
+                item["task_status"] = unreadable[item["task_id"]].status
     return found
 
 
@@ -241,7 +244,8 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 passed += [m for m in new if m not in readable]
                 new = readable
                 ids = {t for t, sent in (sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
-                records = store.get_many(ids) if ids else {}
+                # One this release cannot read is left out: passed, as a gone one.
+                records = store.get_many(ids, unreadable={}) if ids else {}
                 requeue = []
                 for m in new:
                     record = _record_of(records, m["Body"])

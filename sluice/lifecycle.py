@@ -32,6 +32,10 @@ one in inference, its outcome's write was throttled) has that start taken back
 Only while the record still shows that claim's start: one that another claim
 has replaced since (the messages went back first, or came twice) stands.
 
+A record in a status this release does not know (a newer one wrote it, during
+a deploy) is neither run nor acknowledged: its job is `unknown`, handed back for
+a release that knows it.
+
 Outcomes: written only while the task is `queued`, so a finished result is
 never overwritten and a cancel that lands during inference wins (the result is
 dropped). One that comes after the task's deadline expires it instead, as the
@@ -158,6 +162,10 @@ class Claim:
     # still queued: to the dead-letter queue unrun, where settling fails or
     # requeues the task by its record.
     spent: list[Job] = field(default_factory=list)
+    # Its record is in a status this release does not know (a newer release
+    # wrote it, during a deploy): neither run nor acknowledged, handed back for
+    # a release that knows it.
+    unknown: list[Job] = field(default_factory=list)
 
 
 def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Claim:
@@ -193,23 +201,30 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     ]
     applied = store.apply_each(changes) if changes else Applied()
     _note_recorded_starts(redelivered, applied, now)
+    # A refused start means a final or missing record, or one in a status this
+    # release does not know: read with the first deliveries to tell which.
+    refused = [j for j in redelivered if j.message.task_id in applied.rejected]
+    unknown: set[str] = set()
     try:
         if applied.errored:
             raise next(iter(applied.errored.values()))
-        read = first + over
+        read = first + over + refused
         statuses = store.statuses([j.message.task_id for j in read],
-                                  created={j.message.task_id: j.message.enqueued_at for j in read}) if read else {}
+                                  created={j.message.task_id: j.message.enqueued_at for j in read},
+                                  unknown=unknown) if read else {}
     except Exception:
         unclaim(store, redelivered)
         raise
-    for job in redelivered:
-        (result.gone if job.message.task_id in applied.rejected else result.runnable).append(job)
-    for job in first:
-        status = statuses.get(job.message.task_id)
-        (result.gone if status is None or status.is_terminal else result.runnable).append(job)
-    for job in over:
-        status = statuses.get(job.message.task_id)
-        (result.gone if status is None or status.is_terminal else result.spent).append(job)
+    for jobs_read, if_queued in ((redelivered, result.runnable), (first, result.runnable), (over, result.spent)):
+        for job in jobs_read:
+            task_id = job.message.task_id
+            if task_id in unknown:
+                result.unknown.append(job)
+            elif jobs_read is redelivered:
+                (result.gone if task_id in applied.rejected else if_queued).append(job)
+            else:
+                status = statuses.get(task_id)
+                (result.gone if status is None or status.is_terminal else if_queued).append(job)
     return result
 
 

@@ -140,6 +140,8 @@ class Dispatcher:
         retry: dict[str, str] = {}
         jobs = self._parse(deliveries, retry)
         claimed = claim(self.store, list(jobs.values()), now_ms(), self.settings.max_attempts) if jobs else Claim()
+        for job in claimed.unknown:  # for a release that knows its record's status
+            self._retry(retry, job, "its record is in a status this release does not know")
         # Expired and gone (rolled back, duplicate, cancelled) tasks are simply acknowledged.
         # Per task: an unreadable inputs object is its task's outcome, not the batch's failure.
         runnable, unreadable = load_inputs(self.payloads, claimed.runnable, self.pool)

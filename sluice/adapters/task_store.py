@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from boto3.dynamodb.types import TypeDeserializer, TypeSerializer
 from botocore.exceptions import ClientError
+from pydantic import ValidationError
 
 from sluice.aws import client
 from sluice.contract import TaskRecord, TaskStatus, can_transition
@@ -58,8 +59,24 @@ def to_item(record: TaskRecord) -> dict[str, Any]:
     return {k: _ser.serialize(v) for k, v in plain.items()}
 
 
+class UnreadableRecord(ValueError):
+    """A record this release cannot read: a newer one wrote it (a status or a
+    priority it adds), during a deploy or after a rollback. Never taken for a
+    final or a missing task: left for a release that can read it."""
+
+    def __init__(self, item: dict[str, Any], reason: str):
+        self.task_id = item.get("task_id", {}).get("S")
+        self.tenant_id = item.get("tenant_id", {}).get("S")  # whose it is: another tenant gets a 404
+        self.status = item.get("status", {}).get("S")
+        super().__init__(f"task {self.task_id}'s record is one this release cannot read: {reason}")
+
+
 def from_item(item: dict[str, Any]) -> TaskRecord:
-    return TaskRecord.model_validate({k: _plain(v) for k, v in item.items()})
+    try:
+        return TaskRecord.model_validate({k: _plain(v) for k, v in item.items()})
+    except ValidationError as exc:
+        raise UnreadableRecord(item, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                               for e in exc.errors()[:3])) from None
 
 
 def _plain(value: dict[str, Any]) -> Any:
@@ -275,21 +292,45 @@ class TaskStore:
         item = self.ddb.get_item(TableName=self.table, Key=_key(task_id), ConsistentRead=True).get("Item")
         return from_item(item) if item and not _outlived(item) else None
 
-    def get_many(self, task_ids: Iterable[str]) -> dict[str, TaskRecord]:
-        return {item["task_id"]["S"]: from_item(item) for item in self._batch_get(task_ids) if not _outlived(item)}
+    def get_many(self, task_ids: Iterable[str],
+                 unreadable: dict[str, UnreadableRecord] | None = None) -> dict[str, TaskRecord]:
+        """The records that exist. One this release cannot read raises
+        UnreadableRecord; given `unreadable`, it goes there instead, by task
+        id, and the others are returned all the same."""
+        records: dict[str, TaskRecord] = {}
+        for item in self._batch_get(task_ids):
+            if _outlived(item):
+                continue
+            try:
+                records[item["task_id"]["S"]] = from_item(item)
+            except UnreadableRecord as exc:
+                if unreadable is None:
+                    raise
+                unreadable[item["task_id"]["S"]] = exc
+        return records
 
-    def statuses(self, task_ids: Iterable[str], created: Mapping[str, int] | None = None) -> dict[str, TaskStatus]:
+    def statuses(self, task_ids: Iterable[str], created: Mapping[str, int] | None = None,
+                 unknown: set[str] | None = None) -> dict[str, TaskStatus]:
         """Only the status of each task that exists: what a worker's claim
         reads for every batch, without a record's result, error or metadata.
         `created`: the created_at each record must have, by task id; a record
-        of another (a later task under the same Idempotency-Key) is left out."""
+        of another (a later task under the same Idempotency-Key) is left out.
+        `unknown`: gets the ids of records in a status this release does not
+        know (left out of the answer, which must not read as missing)."""
         projection = {"ProjectionExpression": "task_id, #s, created_at, expires_at",
                       "ExpressionAttributeNames": {"#s": "status"}}
-        return {
-            item["task_id"]["S"]: TaskStatus(item["status"]["S"])
-            for item in self._batch_get(task_ids, projection)
-            if not _outlived(item) and (created is None or int(item["created_at"]["N"]) == created[item["task_id"]["S"]])
-        }
+        found: dict[str, TaskStatus] = {}
+        for item in self._batch_get(task_ids, projection):
+            task_id = item["task_id"]["S"]
+            if _outlived(item) or (created is not None and int(item["created_at"]["N"]) != created[task_id]):
+                continue
+            try:
+                found[task_id] = TaskStatus(item["status"]["S"])
+            except ValueError:
+                if unknown is None:
+                    raise UnreadableRecord(item, f"status {item['status']['S']!r}") from None
+                unknown.add(task_id)
+        return found
 
     def _batch_get(self, task_ids: Iterable[str], options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(dict.fromkeys(task_ids))

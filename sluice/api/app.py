@@ -25,8 +25,8 @@ from starlette.routing import Match
 
 from sluice import __version__
 from sluice.adapters.api_keys import ApiKeys
-from sluice.adapters.task_store import Unprocessed
-from sluice.api.errors import ApiError, unavailable
+from sluice.adapters.task_store import Unprocessed, UnreadableRecord
+from sluice.api.errors import ApiError, newer_record, unavailable
 from sluice.api.service import TaskService
 from sluice.api.waiter import CompletionWaiter
 from sluice.aws import client
@@ -392,6 +392,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse(err.body(), status_code=415)
         return _validation_error(exc)
 
+    @app.exception_handler(UnreadableRecord)
+    async def _newer_record(_: Request, exc: UnreadableRecord):
+        # Reached only on a tenant's own task (a keyed submit's record, a race
+        # after the read): GET and DELETE answer another tenant's with a 404.
+        error = newer_record(exc.task_id)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
     @app.exception_handler(BotoCoreError)
     @app.exception_handler(ClientError)
     @app.exception_handler(Unprocessed)  # the table throttled a batch read past its retries
@@ -480,6 +487,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 seen = await asyncio.wait_for(waiter.read(task_id), max(wait_s, _FIRST_LOOK_MIN_S))
             except asyncio.TimeoutError:
                 raise unavailable("the task store") from None
+            except UnreadableRecord as exc:
+                raise service.unreadable(tenant_id, exc) from None
             view = await run_in_threadpool(service.get, tenant_id, task_id, seen)
         else:
             view = await run_in_threadpool(service.get, tenant_id, task_id)

@@ -41,6 +41,13 @@ def unavailable(what: str, retry_after_s: int = 5) -> ApiError:
     )
 
 
+def newer_record(task_id: str) -> ApiError:
+    # A deploy is rolling: the retry most likely reaches a release that reads it.
+    return ApiError(503, "record_unreadable",
+                    f"task {task_id} was last written by a newer release of the service; retry shortly",
+                    headers={"Retry-After": "5"})
+
+
 # The header as a 422 names it (FastAPI's location of a header parameter:
 # "header", then its name), so a client finds it under one name in both.
 IDEMPOTENCY_KEY_FIELD = "header.Idempotency-Key"

@@ -40,9 +40,10 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError,
 from models.registry import CATALOGUE, ModelSpec
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues, SendFailed
-from sluice.adapters.task_store import Change, TaskExists, TaskStore, TransitionRejected, expire
+from sluice.adapters.task_store import (Change, TaskExists, TaskStore, TransitionRejected, UnreadableRecord,
+                                        expire)
 from sluice.api.backlog import QueueBacklog
-from sluice.api.errors import ApiError, idempotency_conflict, not_found, unavailable
+from sluice.api.errors import ApiError, idempotency_conflict, newer_record, not_found, unavailable
 from sluice.api.group_commit import GroupCommit
 from sluice.contract import (
     MESSAGE_RETENTION_S,
@@ -576,6 +577,8 @@ class TaskService:
             return self.store.get_many(task_ids)
         except (BotoCoreError, ClientError, RuntimeError):
             raise unavailable("the task store") from None
+        except UnreadableRecord as exc:  # the batch's own: ids derive from its tenant's key
+            raise newer_record(exc.task_id) from None
 
     @staticmethod
     def _refuse_reused_key(existing: dict[str, TaskRecord], tasks: list[tuple[str, str]]) -> None:
@@ -669,6 +672,19 @@ class TaskService:
                             queue_position=ahead, estimated_wait_s=wait)
 
     # ---------------------------------------------------------- get/cancel
+    def _read(self, tenant_id: str, task_id: str) -> TaskRecord | None:
+        try:
+            return self.store.get(task_id)
+        except UnreadableRecord as exc:
+            raise self.unreadable(tenant_id, exc) from None
+
+    @staticmethod
+    def unreadable(tenant_id: str, exc: UnreadableRecord) -> ApiError:
+        """What a request is told of a record a newer release wrote: its own
+        tenant a 503 to retry (the deploy rolls on), any other the 404 of a
+        missing task, as ever."""
+        return newer_record(exc.task_id) if exc.tenant_id == tenant_id else not_found(exc.task_id)
+
     def _owned(self, tenant_id: str, task_id: str, record: TaskRecord | None) -> TaskRecord:
         # Another tenant's task answers exactly like a missing one.
         if record is None or record.tenant_id != tenant_id:
@@ -691,7 +707,7 @@ class TaskService:
         exist). Not read again either way: a second read for a missing task
         alone would time apart another tenant's task from no task."""
         if record is UNREAD:
-            record = self.store.get(task_id)
+            record = self._read(tenant_id, task_id)
         return self.view(self._owned(tenant_id, task_id, record))
 
     def view(self, record: TaskRecord) -> TaskView:
@@ -700,13 +716,15 @@ class TaskService:
         return record.to_view(result=result, result_url=url)
 
     def cancel(self, tenant_id: str, task_id: str) -> TaskView:
-        record = self._owned(tenant_id, task_id, self.store.get(task_id))
+        record = self._owned(tenant_id, task_id, self._read(tenant_id, task_id))
         if record.status == TaskStatus.cancelled:
             return record.to_view()
         try:
             updated = self.store.apply(
                 Change(task_id, {"status": TaskStatus.cancelled.value, "finished_at": now_ms()}, (TaskStatus.queued,))
             )
+        except UnreadableRecord as exc:  # a newer release wrote it since it was read
+            raise self.unreadable(tenant_id, exc) from None
         except TransitionRejected as rejected:
             current = rejected.current
             if current is None:  # rolled back since it was read

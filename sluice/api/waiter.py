@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from botocore.exceptions import BotoCoreError, ClientError
-
-from sluice.adapters.task_store import TaskStore, Unprocessed
+from sluice.adapters.task_store import TaskStore, UnreadableRecord
 from sluice.contract import TaskRecord, now_ms
 
 # (from this long into a wait, read the task every this many seconds); None: every round.
@@ -107,24 +105,25 @@ class CompletionWaiter:
             ids = [t for t, waiters in self._waiting.items() if any(w.due <= soon for w in waiters)]
             if not ids:
                 continue  # every waiter is between reads: no call this round
+            unreadable: dict[str, UnreadableRecord] = {}  # a newer release wrote them: their own waiters' failure
             try:
-                records = await asyncio.to_thread(self.store.get_many, ids)
-            except (BotoCoreError, ClientError, Unprocessed) as exc:
-                # The table is unreachable: a first read fails like a plain
-                # GET would; waiters for an outcome time out and fall back to
-                # the latest state they read. Keep trying meanwhile (they stay due).
+                records = await asyncio.to_thread(self.store.get_many, ids, unreadable)
+            except Exception as exc:  # noqa: BLE001 - handed to the round's first looks, the poll goes on
+                # The table is unreachable (or the read failed otherwise): a
+                # first read fails like a plain GET would; waiters for an
+                # outcome time out and fall back to the latest state they
+                # read. Keep trying meanwhile (they stay due).
                 for task_id in ids:
                     self._fail_first_looks(task_id, exc)
                 await asyncio.sleep(0.5)
                 continue
-            except Exception:  # noqa: BLE001 - a record this release cannot read (a newer one wrote it)
-                # Its own waiters' failure, not every other task's: read one by one.
-                records = await asyncio.to_thread(self._each, ids)
             now = now_ms()
             for task_id in ids:
                 record = records.get(task_id)
-                if isinstance(record, Exception):
-                    self._fail_first_looks(task_id, record)
+                if task_id in unreadable:
+                    self._fail_first_looks(task_id, unreadable[task_id])
+                    for w in self._waiting.get(task_id, []):  # not due again every round meanwhile
+                        w.due = self._next(w, started)
                     continue
                 # A queued task past its deadline will never run: wake its
                 # waiters too, and the route's GET marks it expired.
@@ -141,12 +140,3 @@ class CompletionWaiter:
         for w in self._waiting.get(task_id, []):
             if w.any_state and not w.future.done():
                 w.future.set_exception(exc)
-
-    def _each(self, ids: list[str]) -> dict[str, TaskRecord | Exception]:
-        records: dict[str, TaskRecord | Exception] = {}
-        for task_id in ids:
-            try:
-                records.update(self.store.get_many([task_id]))
-            except Exception as exc:  # noqa: BLE001 - handed to that task's first looks
-                records[task_id] = exc
-        return records

@@ -101,11 +101,16 @@ class BatchRunner:
                 unserved.setdefault(message.model, []).append(received)
                 continue
             ack += gather(jobs, message, received)
+        give_back = give_back or partial(hand_back, self.queues)
         if unserved or unparsed:
-            self._hand_back_unserved(unserved, unparsed, give_back or partial(hand_back, self.queues))
+            self._hand_back_unserved(unserved, unparsed, give_back)
 
         # If it raises, it took back its starts.
         claimed = claim(self.store, list(jobs.values()), now, self.settings.max_attempts)
+        if claimed.unknown:
+            log.error("handing back %d tasks whose records are in a status this release does not know (%s)",
+                      len(claimed.unknown), ", ".join(j.message.task_id for j in claimed.unknown))
+            self._hand_back_unserved({}, [d for job in claimed.unknown for d in job.deliveries], give_back)
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         if claimed.spent:
             log.warning("not running %d tasks past their %d attempts, each ended without an outcome (%s): to the "
@@ -124,8 +129,9 @@ class BatchRunner:
         an API may take a model minutes before this worker serves it. That is
         no attempt of the task, so nothing is written (no start, no error),
         and the message goes back for a worker that serves the model. So does
-        a message this release cannot parse (`unparsed`: a value or rule of a
-        newer release, or no task at all), for a worker that can.
+        a message this release cannot read (`unparsed`: a value or rule of a
+        newer release, or no task at all; or its record's status), for a
+        worker that can.
         Each hand-back still counts a receive, so the message may reach the
         DLQ: settling (sluice.dlq) requeues a task with no recorded start, and
         leaves one that its release cannot parse there, for a release that

@@ -10,10 +10,12 @@ import json
 import pytest
 from boto3.dynamodb.types import TypeSerializer
 
+from sluice import cli
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
-from sluice.dlq import settle_dead
+from sluice.dlq import list_dead, settle_dead
+from tests.integration.test_dlq import operator_env  # noqa: F401 - a fixture
 from tests.integration.test_worker_runner import messages_left, receive_all
 
 _ser = TypeSerializer()
@@ -28,6 +30,12 @@ def message(task_id: str, tenant: str = "t", **changes) -> dict:
     body = TaskMessage(task_id=task_id, tenant_id=tenant, model="synthetic", priority=Priority.normal,
                        input_count=1, inputs=["x"], enqueued_at=1000).model_dump(mode="json", exclude_none=True)
     return {k: v for k, v in {**body, **changes}.items() if v is not None}
+
+
+def put_newer_record(store: TaskStore, task_id: str, tenant: str = "t", **attributes) -> None:
+    """A record as a newer release writes it: a status or priority this one does not know."""
+    item = {**record(task_id, tenant).model_dump(mode="json", exclude_none=True), **attributes}
+    store.ddb.put_item(TableName=store.table, Item={k: _ser.serialize(v) for k, v in item.items()})
 
 
 def send(settings, body: dict, priority=Priority.normal, dlq: bool = False) -> None:
@@ -76,3 +84,71 @@ def test_settling_leaves_a_dead_letter_it_cannot_parse_and_settles_the_rest(sett
     assert counts == {"failed": 0, "requeued": 1}
     assert dead_letters(settings, Priority.high) == 2 and dead_letters(settings, Priority.normal) == 0
     assert messages_left(settings) == 1
+
+
+# --------------------------------------------------------------------- records
+
+def test_a_record_in_a_status_this_release_does_not_know_is_handed_back_and_fails_no_neighbour(settings, runner):
+    # It used to fail the claim's read: the whole batch back, a receive of each spent.
+    store = TaskStore(settings)
+    put_newer_record(store, "newer", status="running")
+    store.create(record("plain"))
+    send(settings, message("newer"))
+    send(settings, message("plain"))
+    given_back = []
+    prepared = runner.prepare(receive_all(settings, 2), give_back=lambda messages, _: given_back.extend(messages))
+    assert [j.message.task_id for j in prepared.jobs] == ["plain"] and prepared.ack == []
+    assert [m.task().task_id for m in given_back] == ["newer"]
+
+
+def test_a_redelivery_of_a_record_in_an_unknown_status_is_handed_back_not_taken_for_final(settings, runner):
+    # Its start's conditional write is refused, which read as a final task: acknowledged, deleted.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    put_newer_record(store, "newer", status="running")
+    send(settings, message("newer"))
+    [first] = receive_all(settings, 1)
+    queues.sqs.change_message_visibility(QueueUrl=queues.url(Priority.normal), ReceiptHandle=first.receipt_handle,
+                                         VisibilityTimeout=0)
+    [again] = receive_all(settings, 1)
+    assert again.receive_count == 2
+    given_back = []
+    prepared = runner.prepare([again], give_back=lambda messages, _: given_back.extend(messages))
+    assert prepared.ack == [] and prepared.jobs == [] and given_back == [again]
+
+
+def test_settling_passes_a_record_it_cannot_read_and_settles_the_other_queues(settings):
+    # It used to raise on the high DLQ, so normal and low were never reached, every round.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    put_newer_record(store, "newer", status="running")
+    send(settings, message("newer"), Priority.high, dlq=True)
+    store.create(record("handed-back"))
+    send(settings, message("handed-back"), Priority.normal, dlq=True)
+    assert settle_dead(queues, store, list(Priority), settings.max_attempts) == {"failed": 0, "requeued": 1}
+    assert dead_letters(settings, Priority.high) == 1
+    listed = list_dead(queues, list(Priority), store=store)
+    assert [(i["task_id"], i["task_status"]) for i in listed] == [("newer", "running")]
+
+
+def test_dlq_list_shows_a_record_it_cannot_read(operator_env, capsys):  # noqa: F811
+    store = TaskStore(operator_env)
+    put_newer_record(store, "newer", priority="urgent")
+    send(operator_env, message("newer"), Priority.normal, dlq=True)
+    assert cli.main(["dlq", "list"]) == 0  # it used to end in a traceback
+    assert "newer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("attributes", [{"status": "running"}, {"priority": "urgent"}])
+def test_the_api_answers_a_record_a_newer_release_wrote_with_a_503_and_another_tenant_with_a_404(api, settings,
+                                                                                                  attributes):
+    # Each used to be a 500, another tenant's too: a task it does not own, shown to exist.
+    put_newer_record(TaskStore(settings), "newer", tenant="tenant-a", **attributes)
+    own = {"x-api-key": api.key_a}
+    with api:  # one event loop for the app's lifetime, as a server has (the long poll's waiter)
+        answers = [api.get("/v1/tasks/newer", headers=own), api.get("/v1/tasks/newer?wait_s=1", headers=own),
+                   api.delete("/v1/tasks/newer", headers=own)]
+        other = [api.get("/v1/tasks/newer", headers={"x-api-key": api.key_b}),
+                 api.get("/v1/tasks/newer?wait_s=1", headers={"x-api-key": api.key_b}),
+                 api.delete("/v1/tasks/newer", headers={"x-api-key": api.key_b})]
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(503, "record_unreadable")] * 3
+    assert all(r.headers["retry-after"] for r in answers)
+    assert [(r.status_code, r.json()["error"]["code"]) for r in other] == [(404, "not_found")] * 3

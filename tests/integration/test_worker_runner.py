@@ -335,9 +335,9 @@ def test_a_long_poll_on_a_table_that_does_not_answer_is_503_within_its_wait(api,
     released = threading.Event()
     real_get_many = Store.get_many
 
-    def stalled(self, task_ids):
+    def stalled(self, task_ids, *args):
         released.wait(20)
-        return real_get_many(self, task_ids)
+        return real_get_many(self, task_ids, *args)
 
     monkeypatch.setattr(Store, "get_many", stalled)
     try:
@@ -362,11 +362,11 @@ def test_a_long_poll_whose_first_read_is_slow_answers_within_its_wait(api, setti
     real_get_many = Store.get_many
     first = threading.Event()
 
-    def slow_first(self, task_ids):
+    def slow_first(self, task_ids, *args):
         if not first.is_set():
             first.set()
             time.sleep(3)  # stands in for the SDK's retries, not for an event
-        return real_get_many(self, task_ids)
+        return real_get_many(self, task_ids, *args)
 
     monkeypatch.setattr(Store, "get_many", slow_first)
     with api:

@@ -364,6 +364,19 @@ def test_calls_are_the_contract_s_endpoint_requests_within_its_call_limits(dispa
     assert ["caf\u00e9", "\u6771\u4eac"] in [t.inputs for t in request.tasks]
 
 
+def test_a_record_in_a_status_this_release_does_not_know_is_retried_alone(dispatch, settings):
+    # A newer release wrote it (during a deploy): its status failed the claim's
+    # read for the whole SQS batch, every task in it retried.
+    newer, plain = submit(settings, {"model": "synthetic", "inputs": ["a"]}, {"model": "synthetic", "inputs": ["b"]})
+    store = TaskStore(settings)
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": newer}}, UpdateExpression="SET #s = :r",
+                          ExpressionAttributeNames={"#s": "status"}, ExpressionAttributeValues={":r": {"S": "running"}})
+    event = sqs_event(settings, 2)
+    message_of = {json.loads(r["body"])["task_id"]: r["messageId"] for r in event["Records"]}
+    assert dispatch(event) == {"batchItemFailures": [{"itemIdentifier": message_of[newer]}]}
+    assert store.get(plain).status == TaskStatus.succeeded
+
+
 @pytest.mark.parametrize("change", [
     {"inputs": None, "input_count": 5},  # neither inline inputs nor an inputs_key
     {"priority": "urgent"},  # a value of a newer release, met on a shared queue or a redrive
