@@ -91,9 +91,35 @@ def batch_task_id(tenant_id: str, key: str, index: int) -> str:
     return uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{tenant_id}\x00batch\x00{key}\x00{index}").hex
 
 
-def request_hash(request: SubmitRequest | BatchSubmitRequest) -> str:
-    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+class Fingerprint(str):
+    """What an Idempotency-Key's record stores of its request: a hash of the
+    fields the client set. Not of every field with its default, which a
+    release that adds an optional field (or changes a default) would hash
+    apart: a retry that crossed the deploy would be a 409 for its own request.
+    It also matches the hash earlier releases stored (`legacy`: every field)."""
+
+    legacy: str
+
+    def __new__(cls, value: str, legacy: str) -> Fingerprint:
+        fingerprint = super().__new__(cls, value)
+        fingerprint.legacy = legacy
+        return fingerprint
+
+    def matches(self, stored: str | None) -> bool:
+        return stored in (str(self), self.legacy)
+
+    def indexed(self, index: int) -> Fingerprint:
+        """A batch's task's: the whole batch's, and the task's place in it."""
+        return Fingerprint(f"{self}#{index}", f"{self.legacy}#{index}")
+
+
+def _digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def request_hash(request: SubmitRequest | BatchSubmitRequest) -> Fingerprint:
+    return Fingerprint(_digest(request.model_dump(mode="json", exclude_unset=True)),
+                       _digest(request.model_dump(mode="json")))
 
 
 class _Unread(enum.Enum):
@@ -302,7 +328,7 @@ class TaskService:
 
     # -------------------------------------------------------------- submit
     def _build(
-        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None = None
+        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: Fingerprint | None = None
     ) -> tuple[TaskRecord, TaskMessage]:
         """`fingerprint`: what a replay must match (default: the request's hash)."""
         created = now_ms()
@@ -315,7 +341,7 @@ class TaskService:
             priority=request.priority,
             status=TaskStatus.queued,
             input_count=len(request.inputs),
-            request_hash=fingerprint or request_hash(request),
+            request_hash=str(fingerprint or request_hash(request)),
             created_at=created,
             deadline_at=deadline_at,
             metadata=request.metadata,
@@ -386,18 +412,19 @@ class TaskService:
         return self._submit_once(tenant_id, request, idempotent_task_id(tenant_id, idempotency_key), None, depth)
 
     def _submit_once(
-        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: str | None, depth: int,
+        self, tenant_id: str, request: SubmitRequest, task_id: str, fingerprint: Fingerprint | None, depth: int,
         key_checked: bool = False,
     ) -> TaskAccepted:
         """The submit of an Idempotency-Key: created once, replayed after.
         `key_checked`: its record was read already (a batch reads all of its own)."""
+        fingerprint = fingerprint or request_hash(request)
         record, message = self._build(tenant_id, request, task_id, fingerprint)
         if not key_checked and self._needs_claim_check(message):
             # A key reused with another body is refused before its inputs go up:
             # they would be under a key no record names. (One that races this
             # read is refused after; its upload is left to the bucket's
             # lifecycle rule, since a concurrent retry may name the same object.)
-            self._refuse_reused_key(self._read_records([task_id]), [(task_id, record.request_hash)])
+            self._refuse_reused_key(self._read_records([task_id]), [(task_id, fingerprint)])
         try:
             uploaded = self._claim_check(record, message)
         except (BotoCoreError, ClientError):
@@ -413,7 +440,7 @@ class TaskService:
             except TaskExists as exists:
                 # A 409 here leaves its inputs (see above): a retry with the same
                 # key and body, racing it after the first try's rollback, names them.
-                accepted = self._replay(exists.existing, request, record.request_hash, token, depth)
+                accepted = self._replay(exists.existing, request, fingerprint, token, depth)
                 if accepted is not None:
                     return accepted
                 continue
@@ -479,10 +506,10 @@ class TaskService:
         self.backlog.sent(message.priority, 1)
 
     def _replay(
-        self, existing: TaskRecord, request: SubmitRequest, fingerprint: str, token: str, depth: int
+        self, existing: TaskRecord, request: SubmitRequest, fingerprint: Fingerprint, token: str, depth: int
     ) -> TaskAccepted | None:
         """The task this Idempotency-Key created; None if it vanished meanwhile."""
-        if existing.request_hash != fingerprint:
+        if not fingerprint.matches(existing.request_hash):
             raise idempotency_conflict()
         # A message re-sent past the deadline would only be dropped by a worker.
         existing = self._expired_if_overdue(existing)
@@ -550,7 +577,7 @@ class TaskService:
         )
 
     def _retry_of_accepted(
-        self, tenant_id: str, tasks: list[tuple[str, SubmitRequest, str]]
+        self, tenant_id: str, tasks: list[tuple[str, SubmitRequest, Fingerprint]]
     ) -> list[TaskAccepted] | None:
         """For a submit with an Idempotency-Key that the model or backlog checks
         refuse, given (task id, request, fingerprint) per task: it may be the
@@ -581,9 +608,10 @@ class TaskService:
             raise newer_record(exc.task_id) from None
 
     @staticmethod
-    def _refuse_reused_key(existing: dict[str, TaskRecord], tasks: list[tuple[str, str]]) -> None:
+    def _refuse_reused_key(existing: dict[str, TaskRecord], tasks: list[tuple[str, Fingerprint]]) -> None:
         """409 if any (task id, fingerprint) names a record of another request."""
-        if any(task_id in existing and existing[task_id].request_hash != fingerprint for task_id, fingerprint in tasks):
+        if any(task_id in existing and not fingerprint.matches(existing[task_id].request_hash)
+               for task_id, fingerprint in tasks):
             raise idempotency_conflict()
 
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
@@ -594,7 +622,7 @@ class TaskService:
         except ApiError:
             if idempotency_key:
                 retried = self._retry_of_accepted(tenant_id, [
-                    (batch_task_id(tenant_id, idempotency_key, i), request, f"{whole}#{i}")
+                    (batch_task_id(tenant_id, idempotency_key, i), request, whole.indexed(i))
                     for i, request in enumerate(batch.tasks)
                 ])
                 if retried is not None:
@@ -607,7 +635,7 @@ class TaskService:
             # record or message is written: all n records are read first, as
             # the batch's records expire apart (each at its own finish + TTL)
             # and the first task's may be gone while a later one's remains.
-            tasks = [(batch_task_id(tenant_id, idempotency_key, i), f"{whole}#{i}") for i in range(len(batch.tasks))]
+            tasks = [(batch_task_id(tenant_id, idempotency_key, i), whole.indexed(i)) for i in range(len(batch.tasks))]
             self._refuse_reused_key(self._read_records([task_id for task_id, _ in tasks]), tasks)
             accepted = [
                 self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority], key_checked=True)

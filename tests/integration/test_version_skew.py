@@ -13,7 +13,9 @@ from boto3.dynamodb.types import TypeSerializer
 from sluice import cli
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
-from sluice.contract import Priority, TaskMessage, TaskRecord, TaskStatus
+from sluice.api.errors import ApiError
+from sluice.api.service import TaskService, request_hash
+from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, settle_dead
 from tests.integration.test_dlq import operator_env  # noqa: F401 - a fixture
 from tests.integration.test_worker_runner import messages_left, receive_all
@@ -152,3 +154,41 @@ def test_the_api_answers_a_record_a_newer_release_wrote_with_a_503_and_another_t
     assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(503, "record_unreadable")] * 3
     assert all(r.headers["retry-after"] for r in answers)
     assert [(r.status_code, r.json()["error"]["code"]) for r in other] == [(404, "not_found")] * 3
+
+
+# ----------------------------------------------------------------- idempotency
+
+class SubmitRequestOfNextRelease(SubmitRequest):
+    """A newer release's request: one optional field more."""
+
+    callback_url: str | None = None
+
+
+def test_an_idempotent_retry_across_a_release_that_adds_an_optional_field_is_the_same_request(settings):
+    # The hash covered every field with its default: the same body hashed apart
+    # under the two releases, and the client's retry was a 409 for its own request.
+    body = {"model": "synthetic", "inputs": ["x"]}
+    service = TaskService(settings)
+    first = service.submit("tenant-a", SubmitRequest.model_validate(body), "key-1")  # its answer lost
+    again = service.submit("tenant-a", SubmitRequestOfNextRelease.model_validate(body), "key-1")
+    assert again.task_id == first.task_id
+    with pytest.raises(ApiError) as refused:  # another body under the key is still refused
+        service.submit("tenant-a", SubmitRequest.model_validate({**body, "inputs": ["y"]}), "key-1")
+    assert refused.value.status == 409
+
+
+def test_a_record_an_earlier_release_hashed_still_matches_its_retry(settings):
+    service = TaskService(settings)
+    request = SubmitRequest.model_validate({"model": "synthetic", "inputs": ["x"]})
+    first = service.submit("tenant-a", request, "key-1")
+    store = TaskStore(settings)
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": first.task_id}},
+                          UpdateExpression="SET request_hash = :h",
+                          ExpressionAttributeValues={":h": {"S": request_hash(request).legacy}})
+    assert service.submit("tenant-a", request, "key-1").task_id == first.task_id
+    batch = BatchSubmitRequest.model_validate({"tasks": [{"model": "synthetic", "inputs": ["a"]}]})
+    accepted = service.submit_batch("tenant-a", batch, "key-2").tasks[0]
+    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": accepted.task_id}},
+                          UpdateExpression="SET request_hash = :h",
+                          ExpressionAttributeValues={":h": {"S": request_hash(batch).indexed(0).legacy}})
+    assert service.submit_batch("tenant-a", batch, "key-2").tasks[0].task_id == accepted.task_id
