@@ -24,7 +24,7 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
-from sluice.contract import MAX_IDEMPOTENCY_KEY_CHARS, MAX_TASK_ID_CHARS, TASK_ID_PATTERN
+from sluice.contract import MAX_IDEMPOTENCY_KEY_CHARS, MAX_TASK_ID_CHARS, TASK_ID_PATTERN, TaskStatus
 from sluice.settings import OPERATOR_AWS_SETTINGS, SettingsError
 
 # None: SLUICE_STATE_DIR's, or the nearest .sluice/ from the current folder up
@@ -251,7 +251,8 @@ def cmd_submit(args) -> int:
                 return _not_followed(task_id, str(exc).removeprefix("sluice: "))
             trouble, pause_s = str(exc).removeprefix("sluice: "), 1.0
         else:
-            if status < 400 and payload.get("status") != "queued":
+            # Final ones only: a status a newer API adds is one to wait through, not an end.
+            if status < 400 and payload.get("status") in _FINAL:
                 _print(status, payload)
                 # A script waiting on the task must tell a result from an outcome without one.
                 return 0 if payload.get("status") == "succeeded" else 3
@@ -267,6 +268,9 @@ def cmd_submit(args) -> int:
         return _not_followed(task_id, f"{trouble} until --timeout {args.timeout:g} s")
     print(f"task {task_id} still {payload.get('status')} after {args.timeout}s", file=sys.stderr)
     return 2
+
+
+_FINAL = frozenset(s.value for s in TaskStatus if s.is_terminal)
 
 
 # A submit that got no answer, or a 503 or 429, is sent again this many times

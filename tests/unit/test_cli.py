@@ -96,6 +96,14 @@ def test_submit_wait_exits_0_only_for_a_result(api, final, code, monkeypatch, ca
     assert json.loads(capsys.readouterr().out)["status"] == final
 
 
+def test_submit_wait_waits_through_a_status_it_does_not_know(api, monkeypatch, capsys):
+    # A newer API's non-final status (say `running`) used to end the wait, exit 3.
+    seen = iter(["running", "running", "succeeded"])
+    monkeypatch.setattr(Api, "do_GET", lambda self: self.answer(200, {"task_id": "t1", "status": next(seen)}))
+    assert cli.main(["--url", api, "--api-key", "k", "submit", "--wait", "hello"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
+
+
 @pytest.fixture
 def embedded_state(tmp_path, monkeypatch):
     """Writes a `make run` state file naming `pid`; no endpoint set, the operator's own credentials.
