@@ -393,6 +393,9 @@ def test_a_message_this_release_cannot_read_is_handed_back_not_deleted(dispatch,
     SageMakerRuntime.calls.clear()
     assert dispatch(event) == {"batchItemFailures": [{"itemIdentifier": event["Records"][0]["messageId"]}]}
     assert SageMakerRuntime.calls == []
+    # Back after 2 s (2^receives), not at the end of its visibility timeout
+    # (the trigger's 180 s; this test's receive set 60 s).
+    assert sqs_event(settings, 1)["Records"][0]["messageId"] == event["Records"][0]["messageId"]
     assert_untouched(settings, [task_id])
 
 
