@@ -51,7 +51,15 @@ def build(name: str, **options) -> Model:
     spec = CATALOGUE[name]
     module_name, class_name = spec.factory.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**options)
+    model = cls(**options)
+    # The API lists and records the catalogue's values, the worker the class's:
+    # written twice, they must say the same (a version bumped in one place
+    # would record results under a version the API never showed).
+    drift = [f"{field} {getattr(model, field, None)!r} where the catalogue says {getattr(spec, field)!r}"
+             for field in ("name", "version", "max_batch_size") if getattr(model, field, None) != getattr(spec, field)]
+    if drift:
+        raise ValueError(f"model {name} ({spec.factory}) has " + "; ".join(drift) + ": make models/registry.py agree")
+    return model
 
 
 def load_models(names: list[str], torch_threads: int = 0) -> dict[str, Model]:
