@@ -191,7 +191,7 @@ def test_a_settling_process_reads_a_final_tasks_record_once(settings):
     dead_letter(queues, store, [f"final{i}" for i in range(30)], status=TaskStatus.failed, attempts=2)
     read: list[str] = []
     real = store.get_many
-    store.get_many = lambda ids: read.extend(ids) or real(ids)
+    store.get_many = lambda ids, *args, **kwargs: read.extend(ids) or real(ids, *args, **kwargs)
     known: set[str] = set()
     settle_dead(queues, store, [Priority.normal], settings.max_attempts, known_final=known)
     assert sorted(read) == sorted(f"final{i}" for i in range(30)) and len(known) == 30
