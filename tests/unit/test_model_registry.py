@@ -26,3 +26,12 @@ def test_a_model_whose_class_and_catalogue_entry_disagree_does_not_build(monkeyp
     monkeypatch.setitem(CATALOGUE, "text-clf", ModelSpec("text-clf", "1", 8, "labels", "models.registry:ClassifierV2"))
     with pytest.raises(ValueError, match=r"text-clf .* version '2' where the catalogue says '1'"):
         build("text-clf")
+
+
+def test_minilm_builds_on_a_gpu_where_it_takes_larger_batches_than_the_catalogue_lists(monkeypatch):
+    # The drift check read the instance's batch size, which MiniLM raises to
+    # 1024 on a GPU: every GPU worker and endpoint refused to start.
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = build("minilm-embed")  # no load: nothing touches the device
+    assert model.device.type == "cuda" and model.max_batch_size > CATALOGUE["minilm-embed"].max_batch_size
