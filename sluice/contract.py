@@ -336,6 +336,9 @@ class TaskRecord(BaseModel):
     status: TaskStatus
     input_count: int
     request_hash: str | None = None
+    # The same request's hash without its default values, which a release that
+    # adds an optional field leaves alone (sluice.api.service.Fingerprint).
+    request_fingerprint: str | None = None
     created_at: int
     deadline_at: int | None = None
     started_at: int | None = None

@@ -92,35 +92,38 @@ def batch_task_id(tenant_id: str, key: str, index: int) -> str:
     return uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{tenant_id}\x00batch\x00{key}\x00{index}").hex
 
 
-class Fingerprint(str):
-    """What an Idempotency-Key's record stores of its request: a hash of the
-    fields the client set. Not of every field with its default, which a
-    release that adds an optional field (or changes a default) would hash
-    apart: a retry that crossed the deploy would be a 409 for its own request.
-    It also matches the hash earlier releases stored (`legacy`: every field)."""
+class Fingerprint:
+    """An Idempotency-Key's request, as its record holds it. `legacy` hashes
+    every field with its default (`request_hash`: what every release compares,
+    this one's predecessors too, so a rollback keeps matching). `stable` hashes
+    the fields apart from those at their defaults (`request_fingerprint`): a
+    release that adds an optional field, or a client that spells out a
+    default, hashes the same body alike, so a retry that crosses a deploy is
+    not a 409 for its own request. Either matching is the same request."""
 
-    legacy: str
+    def __init__(self, legacy: str, stable: str):
+        self.legacy, self.stable = legacy, stable
 
-    def __new__(cls, value: str, legacy: str) -> Fingerprint:
-        fingerprint = super().__new__(cls, value)
-        fingerprint.legacy = legacy
-        return fingerprint
-
-    def matches(self, stored: str | None) -> bool:
-        return stored in (str(self), self.legacy)
+    def matches(self, record: TaskRecord) -> bool:
+        return record.request_hash == self.legacy or (
+            record.request_fingerprint is not None and record.request_fingerprint == self.stable)
 
     def indexed(self, index: int) -> Fingerprint:
         """A batch's task's: the whole batch's, and the task's place in it."""
-        return Fingerprint(f"{self}#{index}", f"{self.legacy}#{index}")
+        return Fingerprint(f"{self.legacy}#{index}", f"{self.stable}#{index}")
 
 
 def _digest(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def request_hash(request: SubmitRequest | BatchSubmitRequest) -> Fingerprint:
-    return Fingerprint(_digest(request.model_dump(mode="json", exclude_unset=True)),
-                       _digest(request.model_dump(mode="json")))
+def request_hash(request: SubmitRequest | BatchSubmitRequest) -> str:
+    """Every field with its default: what `request_hash` has always held."""
+    return _digest(request.model_dump(mode="json"))
+
+
+def fingerprint_of(request: SubmitRequest | BatchSubmitRequest) -> Fingerprint:
+    return Fingerprint(request_hash(request), _digest(request.model_dump(mode="json", exclude_defaults=True)))
 
 
 class _Unread(enum.Enum):
@@ -348,7 +351,9 @@ class TaskService:
             priority=request.priority,
             status=TaskStatus.queued,
             input_count=len(request.inputs),
-            request_hash=str(fingerprint or request_hash(request)),
+            # A keyless submit is never matched: its hash only names its claim-checked inputs.
+            request_hash=fingerprint.legacy if fingerprint else request_hash(request),
+            request_fingerprint=fingerprint.stable if fingerprint else None,
             created_at=created,
             deadline_at=deadline_at,
             metadata=request.metadata,
@@ -397,7 +402,7 @@ class TaskService:
         except ApiError:
             if idempotency_key:
                 retried = self._retry_of_accepted(
-                    tenant_id, [(idempotent_task_id(tenant_id, idempotency_key), request, request_hash(request))])
+                    tenant_id, [(idempotent_task_id(tenant_id, idempotency_key), request, fingerprint_of(request))])
                 if retried is not None:
                     return retried[0]
             raise
@@ -424,7 +429,7 @@ class TaskService:
     ) -> TaskAccepted:
         """The submit of an Idempotency-Key: created once, replayed after.
         `key_checked`: its record was read already (a batch reads all of its own)."""
-        fingerprint = fingerprint or request_hash(request)
+        fingerprint = fingerprint or fingerprint_of(request)
         record, message = self._build(tenant_id, request, task_id, fingerprint)
         if not key_checked and self._needs_claim_check(message):
             # A key reused with another body is refused before its inputs go up:
@@ -516,7 +521,7 @@ class TaskService:
         self, existing: TaskRecord, request: SubmitRequest, fingerprint: Fingerprint, token: str, depth: int
     ) -> TaskAccepted | None:
         """The task this Idempotency-Key created; None if it vanished meanwhile."""
-        if not fingerprint.matches(existing.request_hash):
+        if not fingerprint.matches(existing):
             raise idempotency_conflict()
         # A message re-sent past the deadline would only be dropped by a worker.
         existing = self._expired_if_overdue(existing)
@@ -617,12 +622,11 @@ class TaskService:
     @staticmethod
     def _refuse_reused_key(existing: dict[str, TaskRecord], tasks: list[tuple[str, Fingerprint]]) -> None:
         """409 if any (task id, fingerprint) names a record of another request."""
-        if any(task_id in existing and not fingerprint.matches(existing[task_id].request_hash)
-               for task_id, fingerprint in tasks):
+        if any(task_id in existing and not fingerprint.matches(existing[task_id]) for task_id, fingerprint in tasks):
             raise idempotency_conflict()
 
     def submit_batch(self, tenant_id: str, batch: BatchSubmitRequest, idempotency_key: str | None) -> BatchAccepted:
-        whole = request_hash(batch) if idempotency_key else None
+        whole = fingerprint_of(batch) if idempotency_key else None
         try:
             self._check_models(batch.tasks, [f"tasks.{i}.model" for i in range(len(batch.tasks))])
             depths = {p: self._check_backlog(p) for p in {r.priority for r in batch.tasks}}

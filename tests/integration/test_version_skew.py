@@ -14,7 +14,7 @@ from sluice import cli
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
 from sluice.api.errors import ApiError
-from sluice.api.service import TaskService, request_hash
+from sluice.api.service import TaskService
 from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskMessage, TaskRecord, TaskStatus
 from sluice.dlq import list_dead, settle_dead
 from tests.integration.test_dlq import operator_env  # noqa: F401 - a fixture
@@ -177,18 +177,35 @@ def test_an_idempotent_retry_across_a_release_that_adds_an_optional_field_is_the
     assert refused.value.status == 409
 
 
-def test_a_record_an_earlier_release_hashed_still_matches_its_retry(settings):
-    service = TaskService(settings)
+# request_hash as releases before the stable fingerprint computed it (96f508d).
+EARLIER_RELEASES_HASH = {
+    "single": "9b2717c8b694240b9e539459332e88ec7671481f04fb26cbdf9cf07dc2c919e3",
+    "batch": "da424bdd48d4ee29453cc14615b6f83325603abbd780880def27630a8f4b3f0b",
+}
+
+
+def test_the_record_keeps_the_hash_earlier_releases_compare_so_a_rollback_still_matches(settings):
+    service, store = TaskService(settings), TaskStore(settings)
+    request = SubmitRequest.model_validate({"model": "synthetic", "inputs": ["x"]})
+    batch = BatchSubmitRequest.model_validate({"tasks": [{"model": "synthetic", "inputs": ["a"]}]})
+    single = store.get(service.submit("tenant-a", request, "key-1").task_id)
+    in_batch = store.get(service.submit_batch("tenant-a", batch, "key-2").tasks[0].task_id)
+    assert single.request_hash == EARLIER_RELEASES_HASH["single"]
+    assert in_batch.request_hash == EARLIER_RELEASES_HASH["batch"] + "#0"
+
+
+def test_a_record_an_earlier_release_wrote_still_matches_its_retry(settings):
+    service, store = TaskService(settings), TaskStore(settings)
     request = SubmitRequest.model_validate({"model": "synthetic", "inputs": ["x"]})
     first = service.submit("tenant-a", request, "key-1")
-    store = TaskStore(settings)
     store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": first.task_id}},
-                          UpdateExpression="SET request_hash = :h",
-                          ExpressionAttributeValues={":h": {"S": request_hash(request).legacy}})
+                          UpdateExpression="REMOVE request_fingerprint")  # as they wrote it
     assert service.submit("tenant-a", request, "key-1").task_id == first.task_id
-    batch = BatchSubmitRequest.model_validate({"tasks": [{"model": "synthetic", "inputs": ["a"]}]})
-    accepted = service.submit_batch("tenant-a", batch, "key-2").tasks[0]
-    store.ddb.update_item(TableName=store.table, Key={"task_id": {"S": accepted.task_id}},
-                          UpdateExpression="SET request_hash = :h",
-                          ExpressionAttributeValues={":h": {"S": request_hash(batch).indexed(0).legacy}})
-    assert service.submit_batch("tenant-a", batch, "key-2").tasks[0].task_id == accepted.task_id
+
+
+def test_a_default_spelled_out_or_left_out_is_the_same_request(settings):
+    service = TaskService(settings)
+    body = {"model": "synthetic", "inputs": ["x"]}
+    first = service.submit("tenant-a", SubmitRequest.model_validate(body), "key-1")
+    spelled = SubmitRequest.model_validate({**body, "priority": "normal", "metadata": None})
+    assert service.submit("tenant-a", spelled, "key-1").task_id == first.task_id
