@@ -192,7 +192,7 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
             redelivered.append(job)
         else:
             first.append(job)
-    # Rejected expiries are already final or missing: acknowledged all the same.
+    # A rejected expiry is of a final or missing record, acknowledged all the same (one in an unknown status: below).
     token = uuid.uuid4().hex  # this claim's: an SDK resend of its write must not add a second start
     changes = expiries + [
         Change(j.message.task_id, {"started_at": now}, _QUEUED, add_attempt=True, returns_old=True,
@@ -201,9 +201,9 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     ]
     applied = store.apply_each(changes) if changes else Applied()
     _note_recorded_starts(redelivered, applied, now)
-    # A refused start means a final or missing record, or one in a status this
-    # release does not know: read with the first deliveries to tell which.
-    refused = [j for j in redelivered if j.message.task_id in applied.rejected]
+    # A refused start or expiry means a final or missing record, or one in a
+    # status this release does not know: read with the first deliveries to tell which.
+    refused = [j for j in redelivered + result.expired if j.message.task_id in applied.rejected]
     unknown: set[str] = set()
     try:
         if applied.errored:
@@ -215,6 +215,9 @@ def claim(store: TaskStore, jobs: list[Job], now: int, max_attempts: int) -> Cla
     except Exception:
         unclaim(store, redelivered)
         raise
+    for job in [j for j in result.expired if j.message.task_id in unknown]:
+        result.expired.remove(job)
+        result.unknown.append(job)
     for jobs_read, if_queued in ((redelivered, result.runnable), (first, result.runnable), (over, result.spent)):
         for job in jobs_read:
             task_id = job.message.task_id

@@ -209,3 +209,13 @@ def test_a_default_spelled_out_or_left_out_is_the_same_request(settings):
     first = service.submit("tenant-a", SubmitRequest.model_validate(body), "key-1")
     spelled = SubmitRequest.model_validate({**body, "priority": "normal", "metadata": None})
     assert service.submit("tenant-a", spelled, "key-1").task_id == first.task_id
+
+
+def test_a_message_past_its_deadline_whose_record_is_in_an_unknown_status_is_handed_back(settings, runner):
+    # Its expiry (queued only) is refused, which read as final: the message was deleted.
+    store = TaskStore(settings)
+    put_newer_record(store, "newer", status="running")
+    send(settings, message("newer", deadline_at=1001))
+    given_back = []
+    prepared = runner.prepare(receive_all(settings, 1), give_back=lambda messages, _: given_back.extend(messages))
+    assert prepared.ack == [] and [m.task().task_id for m in given_back] == ["newer"]
