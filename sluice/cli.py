@@ -258,11 +258,14 @@ def cmd_submit(args) -> int:
                 return 0 if payload.get("status") == "succeeded" else 3
             if status < 400:
                 trouble = None
-                continue
-            trouble = f"the API answered {status}{_error_of(payload)}"
-            if status != 429 and status < 500:  # 404, 403: asking again gets the same
-                return _not_followed(task_id, trouble)
-            pause_s = _retry_after(headers)  # a DynamoDB blip (503), a rate limit (429)
+                if payload.get("status") == "queued":
+                    continue  # the long poll waited
+                pause_s = 1.0  # a status of a newer API, which it may answer at once: not in a tight loop
+            else:
+                trouble = f"the API answered {status}{_error_of(payload)}"
+                if status != 429 and status < 500:  # 404, 403: asking again gets the same
+                    return _not_followed(task_id, trouble)
+                pause_s = _retry_after(headers)  # a DynamoDB blip (503), a rate limit (429)
         time.sleep(max(0.0, min(pause_s, deadline - time.monotonic())))
     if trouble:
         return _not_followed(task_id, f"{trouble} until --timeout {args.timeout:g} s")

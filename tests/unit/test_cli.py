@@ -104,6 +104,17 @@ def test_submit_wait_waits_through_a_status_it_does_not_know(api, monkeypatch, c
     assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
 
 
+def test_submit_wait_does_not_spin_on_a_status_the_api_answers_at_once(api, monkeypatch, capsys):
+    # A newer API's final status it does not know (say `rejected`) comes back at
+    # once from the long poll: it used to be asked again in a tight loop, 639 GETs a second.
+    gets = []
+    monkeypatch.setattr(Api, "do_GET", lambda self: gets.append(1) or self.answer(200, {"task_id": "t1",
+                                                                                         "status": "rejected"}))
+    assert cli.main(["--url", api, "--api-key", "k", "submit", "--wait", "--timeout", "2", "hello"]) == 2
+    assert len(gets) <= 3, len(gets)
+    assert "still rejected" in capsys.readouterr().err
+
+
 @pytest.fixture
 def embedded_state(tmp_path, monkeypatch):
     """Writes a `make run` state file naming `pid`; no endpoint set, the operator's own credentials.
