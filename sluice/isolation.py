@@ -14,6 +14,9 @@ from typing import Callable, TypeVar
 
 # A task's error code when the model raised on it (sluice.lifecycle): retried.
 MODEL_ERROR = "model_error"
+# The model gave a result JSON cannot hold (a tensor, a numpy value): every
+# run would give it again, and it says nothing of the device.
+INVALID_RESULT = "invalid_result"
 # Runs of two or more tasks in a row in which the model failed every task:
 # past this the model is taken for broken. One failing task is a poison input
 # (bisection isolates it); all of them, run after run, is the device or the

@@ -78,7 +78,7 @@ from pydantic_core import PydanticSerializationError, to_json
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.task_store import Applied, Change, TaskStore, expire, surely_not_applied, throttled
 from sluice.contract import TaskMessage, TaskStatus
-from sluice.isolation import MODEL_ERROR  # this attempt's crash: retried
+from sluice.isolation import INVALID_RESULT, MODEL_ERROR  # MODEL_ERROR: this attempt's crash, retried
 from sluice.settings import Settings
 
 log = logging.getLogger("sluice.lifecycle")
@@ -429,7 +429,7 @@ def plan_outcomes(outcomes: list[Outcome], now: int, settings: Settings) -> Outc
                 # A model's result that JSON cannot hold (a tensor, a numpy
                 # scalar) is its own task's failure, never its batch's: the
                 # same inputs would give the same result again.
-                o.error, o.permanent = f"the model's result is not JSON: {exc}", True
+                o.error, o.error_code, o.permanent = f"the model's result is not JSON: {exc}", INVALID_RESULT, True
                 _plan_error(plan, o)
                 continue
             if len(body) > settings.inline_result_max_bytes:

@@ -84,7 +84,7 @@ from sluice.contract import (
     ErrorResponse,
     TaskError,
 )
-from sluice.isolation import BROKEN_AFTER, MODEL_ERROR, BrokenModelWatch, run_isolating
+from sluice.isolation import BROKEN_AFTER, INVALID_RESULT, MODEL_ERROR, BrokenModelWatch, run_isolating
 from sluice.settings import Settings, SettingsError, log_level
 from sluice.starting import stop_at_once_until_ready
 
@@ -234,7 +234,7 @@ class Endpoint:
                     # This task's failure, not the call's (the whole reply would
                     # not serialize: a 500, an attempt of every task in it).
                     answered.append(EndpointTaskAnswer(task_id=task.task_id, error=TaskError(
-                        code=MODEL_ERROR, message=f"the model's result is not JSON: {exc}")))
+                        code=INVALID_RESULT, message=f"the model's result is not JSON: {exc}")))
                 else:
                     answered.append(EndpointTaskAnswer(task_id=task.task_id, result=result))
                 offset += len(task.inputs)

@@ -57,6 +57,7 @@ from sluice.contract import (
     now_ms,
     sent_by,
 )
+from sluice.isolation import INVALID_RESULT
 from sluice.lifecycle import (
     INVALID_INPUT, Claim, Job, Outcome, claim, gather, load_inputs, plan_outcomes, public_reason, record_outcomes,
     refused, sqs_dead_letters, unclaim, unclaim_unwritten,
@@ -80,7 +81,7 @@ _CALLER_GONE = "caller_gone"  # serve.py's CALLER_GONE: the call waited past our
 # replaced yet still answers so.
 _REFUSED_UNRUN = {(400, _UNSERVED_MODEL), (503, _MODEL_BROKEN), (429, _CALLER_GONE), (503, _CALLER_GONE)}
 # The endpoint's per-task verdicts that every attempt would repeat.
-_PERMANENT = {INVALID_INPUT, "validation_error"}
+_PERMANENT = {INVALID_INPUT, INVALID_RESULT, "validation_error"}
 
 
 # What a dispatch keeps, after the endpoint's longest answer (give_up_s), to

@@ -78,8 +78,12 @@ def test_an_answer_that_is_not_one_json_output_per_input_fails_its_own_tasks_onl
     store = TaskStore(two_models)
     assert [store.get(t).status for t in healthy] == [TaskStatus.succeeded] * 3
     record = store.get(own)
-    assert record.status != TaskStatus.succeeded and record.error_code == "model_error"
-    assert "JSON" in record.error_message or "predict_batch returns a list" in record.error_message
+    if answer in ("numpy scores", "0-d tensor scores"):  # every run would give it again: failed at once
+        assert (record.status, record.error_code) == (TaskStatus.failed, "invalid_result")
+        assert "not JSON" in record.error_message
+    else:  # predict_batch broke its contract: a crash of this run, retried
+        assert (record.status, record.error_code) == (TaskStatus.queued, "model_error")
+        assert "predict_batch returns a list" in record.error_message
 
 
 def test_nan_and_infinity_are_null_inline_and_in_the_bucket(two_models):

@@ -22,6 +22,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
 import boto3
+import numpy as np
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
@@ -348,6 +349,19 @@ def test_a_task_the_endpoint_finds_invalid_fails_at_once(dispatch, settings, mon
     assert store.get(good[0]).status == TaskStatus.succeeded
     invalid = store.get(bad[0])
     assert invalid.status == TaskStatus.failed and invalid.error_code == "validation_error"
+
+
+def test_a_result_json_cannot_hold_fails_its_task_at_once(dispatch, settings, monkeypatch):
+    # It was a model_error, retried max_attempts times for the same answer.
+    real = SyntheticModel.result_for_task
+    monkeypatch.setattr(SyntheticModel, "result_for_task", lambda self, outputs: (
+        {"score": np.float32(1)} if outputs[0]["length"] == len("numpy") else real(self, outputs)))
+    good, bad = submit(settings, {"model": "synthetic", "inputs": ["fine"]}, {"model": "synthetic", "inputs": ["numpy"]})
+    assert dispatch(sqs_event(settings, 2)) == {"batchItemFailures": []}
+    store = TaskStore(settings)
+    assert store.get(good).status == TaskStatus.succeeded
+    failed = store.get(bad)
+    assert (failed.status, failed.error_code, failed.attempts) == (TaskStatus.failed, "invalid_result", 1)
 
 
 def test_calls_are_the_contract_s_endpoint_requests_within_its_call_limits(dispatch, settings):

@@ -191,7 +191,7 @@ def test_a_result_json_cannot_hold_is_that_tasks_error_not_the_call_s():
                                                     "application/json")))
     ok, bad = body["tasks"]
     assert ok == {"task_id": "ok", "result": {"outputs": ["A"], "score": 0.5}}
-    assert bad["error"]["code"] == "model_error" and "not JSON" in bad["error"]["message"]
+    assert bad["error"]["code"] == "invalid_result" and "not JSON" in bad["error"]["message"]
 
 
 @pytest.mark.parametrize("answer", [lambda inputs: {"labels": inputs}, lambda inputs: inputs[:-1]])
