@@ -92,8 +92,13 @@ def _back_off(d: Dispatcher, records: list[SQSRecord], retry: dict[str, str]) ->
     by_name = {d.settings.queue_name(p): p for p in Priority}
     by_delay: dict[int, list[Received]] = defaultdict(list)
     for r in records:
+        if r.message_id not in retry:
+            continue
         priority = by_name.get(r.event_source_arn.rsplit(":", 1)[-1])
-        if r.message_id in retry and priority is not None:
+        if priority is None:
+            logger.warning("a retried message of %s, not a queue of SLUICE_QUEUE_PREFIX: it comes back after its "
+                           "visibility timeout", r.event_source_arn)
+        else:
             receives = int(r.attributes.approximate_receive_count or 1)
             by_delay[min(30, 2**receives)].append(
                 Received(priority, r.message_id, r.receipt_handle, r.body, receives, time.monotonic()))

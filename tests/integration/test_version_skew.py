@@ -12,7 +12,7 @@ from boto3.dynamodb.types import TypeSerializer
 
 from sluice import cli
 from sluice.adapters.queues import PriorityQueues
-from sluice.adapters.task_store import TaskStore
+from sluice.adapters.task_store import Change, TaskStore
 from sluice.api.errors import ApiError
 from sluice.api.service import TaskService
 from sluice.contract import BatchSubmitRequest, Priority, SubmitRequest, TaskMessage, TaskRecord, TaskStatus
@@ -219,3 +219,23 @@ def test_a_message_past_its_deadline_whose_record_is_in_an_unknown_status_is_han
     given_back = []
     prepared = runner.prepare(receive_all(settings, 1), give_back=lambda messages, _: given_back.extend(messages))
     assert prepared.ack == [] and [m.task().task_id for m in given_back] == ["newer"]
+
+
+def test_a_record_a_newer_release_rewrites_while_settling_fails_it_stops_no_round(settings):
+    # Read as queued with its runs spent, then rewritten before the failure's
+    # write: the rejection's record could not be read, and the round stopped there.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    store.create(record("spent"))
+    store.apply(Change("spent", {"attempts": settings.max_attempts}, (TaskStatus.queued,)))
+    send(settings, message("spent"), Priority.high, dlq=True)
+    store.create(record("handed-back"))
+    send(settings, message("handed-back"), Priority.normal, dlq=True)
+    real_apply = store.apply
+
+    def rewritten_first(change):
+        if change.task_id == "spent":
+            put_newer_record(store, "spent", status="running")
+        return real_apply(change)
+
+    store.apply = rewritten_first
+    assert settle_dead(queues, store, list(Priority), settings.max_attempts) == {"failed": 0, "requeued": 1}
