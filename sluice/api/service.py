@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
@@ -132,7 +132,7 @@ class _Unread(enum.Enum):
 
 UNREAD = _Unread.UNREAD  # TaskService.get: the caller has not read the record
 
-KEYED_BATCH_THREADS = 8  # under the SDK's 10 pooled connections per client
+KEYED_BATCH_THREADS = 8  # a keyed batch's creates at once (TaskService._create_keyed)
 
 
 # A write that got no answer may land later: a hung table (a frozen process, a
@@ -302,10 +302,6 @@ class TaskService:
         self.compensator = Compensator(self.store)
         self.group_commit = GroupCommit(self._write_fresh)
         self.backlog = QueueBacklog(self.queues.depth, settings.backlog_cap)
-        # A keyed batch's tasks are each created once under their own id (a
-        # conditional put and a send apiece): one after the other, 100 tasks
-        # were 200 round trips in one request, behind API Gateway's 29 s.
-        self._keyed_pool = ThreadPoolExecutor(max_workers=KEYED_BATCH_THREADS, thread_name_prefix="sluice-keyed")
         served = set(settings.model_names())
         self.models: dict[str, ModelSpec] = {n: s for n, s in CATALOGUE.items() if n in served}
 
@@ -648,14 +644,7 @@ class TaskService:
             # and the first task's may be gone while a later one's remains.
             tasks = [(batch_task_id(tenant_id, idempotency_key, i), whole.indexed(i)) for i in range(len(batch.tasks))]
             self._refuse_reused_key(self._read_records([task_id for task_id, _ in tasks]), tasks)
-            # At once, and every one waited for before the answer: a 503 for
-            # one leaves the others created or not, never still being written
-            # while the client's retry of the batch reads them.
-            submits = [self._keyed_pool.submit(self._submit_once, tenant_id, request, task_id, fingerprint,
-                                               depths[request.priority], key_checked=True)
-                       for request, (task_id, fingerprint) in zip(batch.tasks, tasks)]
-            wait(submits)
-            accepted = [f.result() for f in submits]  # the first task's error in batch order, if any
+            accepted = self._create_keyed(tenant_id, batch.tasks, tasks, depths)
             # Positions once every task is sent, as for a batch without a key.
             return BatchAccepted(tasks=self._in_batch_order(accepted, depths))
         built = [self._build(tenant_id, r, new_task_id()) for r in batch.tasks]
@@ -682,6 +671,37 @@ class TaskService:
             self._discard_inputs(uploaded)
             raise next(iter(errors.values()))
         return BatchAccepted(tasks=self._in_batch_order([r for r, _ in built], depths))
+
+    def _create_keyed(self, tenant_id: str, requests: list[SubmitRequest], tasks: list[tuple[str, Fingerprint]],
+                      depths: dict[Priority, int]) -> list[TaskAccepted]:
+        """A keyed batch's tasks, each created once under its own id (a
+        conditional put and a send apiece), KEYED_BATCH_THREADS at a time: one
+        after the other, 100 tasks were 200 round trips in one request, behind
+        API Gateway's 29 s. The first failure starts no more (against a stalled
+        table each would wait out its own timeouts, wave after wave), and every
+        one started is waited for before the answer: a 503 never leaves a write
+        in flight for the client's retry to meet. Its own threads: another
+        request's batch never waits behind this one's."""
+        failed = threading.Event()
+
+        def create(request: SubmitRequest, task_id: str, fingerprint: Fingerprint) -> TaskAccepted | None:
+            if failed.is_set():
+                return None  # not started: nothing written, the retry creates it
+            try:
+                return self._submit_once(tenant_id, request, task_id, fingerprint, depths[request.priority],
+                                         key_checked=True)
+            except BaseException:
+                failed.set()
+                raise
+
+        with ThreadPoolExecutor(max_workers=min(KEYED_BATCH_THREADS, len(tasks)),
+                                thread_name_prefix="sluice-keyed") as pool:
+            created = [pool.submit(create, request, task_id, fingerprint)
+                       for request, (task_id, fingerprint) in zip(requests, tasks)]
+        errors = [f.exception() for f in created if f.exception() is not None]
+        if errors:
+            raise errors[0]  # the first in batch order
+        return [f.result() for f in created]
 
     def _in_batch_order(self, tasks: list[TaskRecord] | list[TaskAccepted],
                         depths: dict[Priority, int]) -> list[TaskAccepted]:

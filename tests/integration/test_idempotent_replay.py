@@ -7,13 +7,13 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from botocore.exceptions import EndpointConnectionError
+from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import Change
 from sluice.api.errors import ApiError
-from sluice.api.service import TaskService, batch_task_id, idempotent_task_id, request_hash
+from sluice.api.service import KEYED_BATCH_THREADS, TaskService, batch_task_id, idempotent_task_id, request_hash
 from sluice.contract import (
     MAX_DEADLINE_S,
     MESSAGE_RETENTION_S,
@@ -167,6 +167,23 @@ def test_a_keyed_batch_creates_its_tasks_at_once_not_one_after_another(service):
     service.store.create = create
     accepted = service.submit_batch("t", batch, "at-once").tasks
     assert [t.task_id for t in accepted] == [batch_task_id("t", "at-once", i) for i in range(4)]
+
+
+def test_a_keyed_batch_against_a_stalled_table_starts_no_more_creates_after_the_first_failure(service):
+    # Every create waits out its own timeouts (~12 s on a stalled table): all
+    # 100 waited for, in waves of eight, were minutes past API Gateway's 29 s.
+    batch = BatchSubmitRequest(tasks=[SubmitRequest(model="synthetic", inputs=[f"s{i}"]) for i in range(20)])
+    tried = []
+
+    def stalled(record, token=None):
+        tried.append(record.task_id)
+        raise ReadTimeoutError(endpoint_url="http://table")
+
+    service.store.create = stalled
+    with pytest.raises(ApiError) as refused:
+        service.submit_batch("t", batch, "stalled")
+    assert refused.value.status == 503
+    assert 1 <= len(tried) <= KEYED_BATCH_THREADS, len(tried)
 
 
 # ------------------------------------------------------------------- cancel
