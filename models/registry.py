@@ -56,7 +56,8 @@ def build(name: str, **options) -> Model:
     # written twice, they must say the same (a version bumped in one place
     # would record results under a version the API never showed). The batch
     # size is the class's own: an instance may take more on a GPU (MiniLM's 1024).
-    said = {"name": model.name, "version": model.version, "max_batch_size": getattr(cls, "max_batch_size", None)}
+    said = {"name": model.name, "version": model.version,
+            "max_batch_size": getattr(cls, "max_batch_size", getattr(model, "max_batch_size", None))}
     drift = [f"{field} {value!r} where the catalogue says {getattr(spec, field)!r}"
              for field, value in said.items() if value != getattr(spec, field)]
     if drift:

@@ -242,6 +242,7 @@ def cmd_submit(args) -> int:
     while (remaining := deadline - time.monotonic()) > 0:
         # Long poll: the API answers as soon as the task is final.
         wait_s = round(min(remaining, 20), 1)
+        asked = time.monotonic()
         try:
             # Given up with the --timeout, give or take the answer's way back, not 30 s later.
             status, payload, headers = _call("GET", f"/v1/tasks/{task_id}?wait_s={wait_s}", None, args,
@@ -258,9 +259,10 @@ def cmd_submit(args) -> int:
                 return 0 if payload.get("status") == "succeeded" else 3
             if status < 400:
                 trouble = None
-                if payload.get("status") == "queued":
-                    continue  # the long poll waited
-                pause_s = 1.0  # a status of a newer API, which it may answer at once: not in a tight loop
+                # A status of a newer API, which it may answer at once: not asked again in a tight loop.
+                if payload.get("status") == "queued" or time.monotonic() - asked >= 1.0:
+                    continue  # the long poll waited: at most one ask a second
+                pause_s = 1.0
             else:
                 trouble = f"the API answered {status}{_error_of(payload)}"
                 if status != 429 and status < 500:  # 404, 403: asking again gets the same

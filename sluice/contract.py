@@ -192,7 +192,7 @@ class TaskTimings(BaseModel):
 
 class TaskError(BaseModel):
     code: str = Field(description="model_error (this attempt's crash; retried), invalid_input (the model refuses "
-                                  "the input), input_unavailable (a claim-checked input cannot be read), result_not_stored "
+                                  "the input), invalid_result (the model's result is not JSON), input_unavailable (a claim-checked input cannot be read), result_not_stored "
                                   "(its large result could not be uploaded; retried), "
                                   "validation_error, dead_lettered (it kept failing its worker), deadline_exceeded "
                                   "(it had not finished by its deadline).")

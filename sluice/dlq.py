@@ -333,7 +333,7 @@ def _fail_dead_lettered(store: TaskStore, record: TaskRecord) -> int:
                              "its message is in the dead-letter queue"},
             # Adds the first delivery's start where it is missing, to whatever starts are recorded by now.
             _ACTIVE, add_attempt=runs - record.attempts))
-    except (TransitionRejected, UnreadableRecord):  # a newer release wrote it since it was read: its to settle
+    except (TransitionRejected, UnreadableRecord):  # a newer release rewrote it since it was read: that release settles it
         return 0
     return 1
 
