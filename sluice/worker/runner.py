@@ -102,15 +102,18 @@ class BatchRunner:
                 continue
             ack += gather(jobs, message, received)
         give_back = give_back or partial(hand_back, self.queues)
+        if unserved:
+            log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
+                        sum(map(len, unserved.values())), ", ".join(sorted(unserved)), self._hand_back_delay_s)
         if unserved or unparsed:
-            self._hand_back_unserved(unserved, unparsed, give_back)
+            self._hand_back_unrun([m for group in unserved.values() for m in group] + unparsed, give_back)
 
         # If it raises, it took back its starts.
         claimed = claim(self.store, list(jobs.values()), now, self.settings.max_attempts)
         if claimed.unknown:
             log.error("handing back %d tasks whose records are in a status this release does not know (%s)",
                       len(claimed.unknown), ", ".join(j.message.task_id for j in claimed.unknown))
-            self._hand_back_unserved({}, [d for job in claimed.unknown for d in job.deliveries], give_back)
+            self._hand_back_unrun([d for job in claimed.unknown for d in job.deliveries], give_back)
         ack += [d for job in claimed.expired + claimed.gone for d in job.deliveries]
         if claimed.spent:
             log.warning("not running %d tasks past their %d attempts, each ended without an outcome (%s): to the "
@@ -124,27 +127,25 @@ class BatchRunner:
             raise
         return Prepared(runnable, ack, unreadable, [d for job in claimed.spent for d in job.deliveries])
 
-    def _hand_back_unserved(self, unserved: dict[str, list[Received]], unparsed: list[Received], give_back) -> None:
+    @property
+    def _hand_back_delay_s(self) -> int:
+        # Hidden a while, not at once: workers without the model would take it
+        # straight back, spending a receive each time.
+        return min(30, max(1, self.settings.visibility_timeout_s // 4))
+
+    def _hand_back_unrun(self, messages: list[Received], give_back) -> None:
         """The API and the workers read SLUICE_MODELS apart: in a rolling deploy
         an API may take a model minutes before this worker serves it. That is
         no attempt of the task, so nothing is written (no start, no error),
         and the message goes back for a worker that serves the model. So does
-        a message this release cannot read (`unparsed`: a value or rule of a
-        newer release, or no task at all; or its record's status), for a
-        worker that can.
+        a message this release cannot read (a value or rule of a newer release,
+        or no task at all; or its record's status), for a worker that can.
         Each hand-back still counts a receive, so the message may reach the
         DLQ: settling (sluice.dlq) requeues a task with no recorded start, and
         leaves one that its release cannot parse there, for a release that
         can or for operators (`sluice dlq list`).
         A task past its deadline is not handed back: prepare's claim expires it."""
-        # Hidden a while, not at once: workers without the model would take it
-        # straight back, spending a receive each time.
-        delay_s = min(30, max(1, self.settings.visibility_timeout_s // 4))
-        messages = [m for group in unserved.values() for m in group] + unparsed
-        if unserved:
-            log.warning("handing back %d tasks for models this worker does not serve (%s) for %ds",
-                        sum(map(len, unserved.values())), ", ".join(sorted(unserved)), delay_s)
-        give_back(messages, delay_s)
+        give_back(messages, self._hand_back_delay_s)
         if self.metrics:
             self.metrics.record_handed_back(len(messages))
 
