@@ -240,8 +240,9 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 # One this release cannot parse stays for a release that can
                 # (its settling requeues it) or for operators; its id is not
                 # read either: it may be one no table takes as a key.
-                readable = [m for m in new if _readable(m["Body"])]
-                passed += [m for m in new if m not in readable]
+                readable: list[dict] = []
+                for m in new:
+                    (readable if _readable(m["Body"]) else passed).append(m)
                 new = readable
                 ids = {t for t, sent in (sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
                 # One this release cannot read is left out: passed, as a gone one.
