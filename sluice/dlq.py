@@ -230,6 +230,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
         try:
             while len(seen) < scan and time.monotonic() < stop_at:
                 want = min(100, scan - len(seen))
+                received_at = time.monotonic()
                 got = _receive_all(queues, dlq, want, _HIDE_S)
                 new = [m for m in got if m["MessageId"] not in seen]
                 keep += [m for m in got if m["MessageId"] in seen]  # its hide ran out: show it again too
@@ -247,7 +248,7 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                 ids = {t for t, sent in (sent_by(m["Body"]) for m in new) if t and (t, sent) not in known_final}
                 # One this release cannot read is left out: passed, as a gone one.
                 records = store.get_many(ids, unreadable={}) if ids else {}
-                requeue = []
+                requeue, spent = [], []
                 for m in new:
                     record = _record_of(records, m["Body"])
                     if record is not None and record.status.is_terminal:
@@ -267,17 +268,28 @@ def settle_dead(queues: PriorityQueues, store: TaskStore, priorities: list[Prior
                     settled += 1
                     if record.runs() >= max_attempts:
                         keep.append(m)
-                        counts["failed"] += _fail_dead_lettered(store, record)
+                        spent.append(record)
                     else:
                         copies[task] = []
                         requeue.append({**m, "Body": _counting_runs(m["Body"], record.runs()), "task": task})
-                left = _move(queues, dlq, queues.url(priority), requeue)
+                # A requeue is sent while its dead letter is surely still hidden:
+                # once the hide runs out, another worker's round can requeue the
+                # same task, and each copy would run the runs it has left. So it
+                # goes before the failures' writes (one call each), and a pass
+                # slowed past half the hide (a throttled or hung table) leaves
+                # its requeues to the next round.
+                if time.monotonic() - received_at > _HIDE_S / 2:
+                    left = requeue
+                else:
+                    left = _move(queues, dlq, queues.url(priority), requeue)
                 keep += left
                 counts["requeued"] += len(requeue) - len(left)
                 for m in left:  # not requeued: its copies wait with it for the next round
                     keep += copies.pop(m["task"])
                 keep += _delete(queues, dlq, [c for t in copies.values() for c in t])
                 copies = {t: [] for t in copies}
+                for record in spent:  # their dead letters stay, failed or not: no other round can run them twice
+                    counts["failed"] += _fail_dead_lettered(store, record)
                 if len(got) < want:
                     reached_end = True  # the queue has nothing more to give
                     break

@@ -409,3 +409,43 @@ def test_a_round_past_its_deadline_receives_nothing(settings):
     dead_letter(queues, store, "later")
     assert settle_dead(queues, store, [Priority.normal], 3, until=time.monotonic()) == {"failed": 0, "requeued": 0}
     assert [d["task_id"] for d in list_dead(queues, [Priority.normal])] == ["later"]  # left for the next round
+
+
+def test_a_round_requeues_before_it_writes_its_failures(settings, monkeypatch):
+    # A failure's write takes a call each, and on a throttled table many such
+    # calls can outlast the round's hide of what it received: a requeue sent
+    # after them could follow another worker's requeue of the same task.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "to-fail", attempts=3)
+    dead_letter(queues, store, "to-requeue", attempts=1)
+    dead_letters_at_failure = []
+    fail = dlq._fail_dead_lettered
+
+    def failing(store_, record):
+        dead_letters_at_failure.append(sum(dlq.dead_counts(queues, [Priority.normal])))
+        return fail(store_, record)
+
+    monkeypatch.setattr(dlq, "_fail_dead_lettered", failing)
+    assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 1, "requeued": 1}
+    assert dead_letters_at_failure == [1]  # the requeued task's dead letter was gone by then
+
+
+def test_a_pass_slowed_past_half_its_hide_leaves_its_requeues_to_the_next_round(settings, monkeypatch):
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "slow-read", attempts=1)
+    # A pass's receives take a second at least (their last long poll comes back empty).
+    monkeypatch.setattr(dlq, "_HIDE_S", 4)
+    read = store.get_many
+
+    def slow_read(*args, **kwargs):
+        time.sleep(1.5)  # a throttled table: the pass takes longer than half the hide
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(store, "get_many", slow_read)
+    assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 0}
+    assert receive_all(settings, 0) == []
+    assert [d["task_id"] for d in list_dead(queues, [Priority.normal])] == ["slow-read"]  # shown again at once
+    monkeypatch.setattr(store, "get_many", read)
+    assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 1}
+    [message] = receive_all(settings, 1)
+    assert message.task().task_id == "slow-read"
