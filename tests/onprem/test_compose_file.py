@@ -292,3 +292,41 @@ def test_the_api_limits_each_key_s_rate_as_make_run_does():
     for values in (REQUIRED, {**env_example(), **REQUIRED}):
         api = load(values)["services"]["api"]
         assert float(api["environment"]["SLUICE_RATE_LIMIT_PER_S"]) == 100, values
+
+
+# Settings an operator has no reason to set in onprem/.env: what this profile
+# fixes itself (auth by the keys table, the workers' metrics sink, the
+# bootstrap at start), the queue URLs the CDK stack sets (here they are looked
+# up by name), AWS_REGION, and a knob of the test suite's.
+_FIXED_HERE = {"auth_mode", "queue_url_high", "queue_url_normal", "queue_url_low", "region", "metrics_sink",
+               "bootstrap_on_start", "synthetic_faults"}
+# Defaults this profile chooses on purpose over Settings' own (docs/onprem.md).
+_ONPREM_DEFAULTS = {"device": "cuda", "rate_limit_per_s": "100", "s3_public_endpoint": None}
+
+
+def _shown(value) -> str:
+    return "" if value is None else str(value)
+
+
+def test_every_setting_reaches_every_sluice_container_from_the_env_file():
+    # A variable set in onprem/.env reaches a container only where compose.yaml
+    # passes it on; one that is not (SLUICE_MAX_ATTEMPTS) did nothing at all,
+    # and the next start's bootstrap kept the queues' maxReceiveCount at 3.
+    from sluice.settings import Settings
+
+    used = variables(COMPOSE.read_text())
+    services = load(REQUIRED)["services"]
+    marker = "set-in-env-file"
+    passed = load({**REQUIRED, **{name: marker for name in used}})["services"]
+    for name, field in Settings.model_fields.items():
+        if name in _FIXED_HERE:
+            continue
+        var = f"SLUICE_{name.upper()}"
+        assert var in used, f"{var} is not read from onprem/.env"
+        for service in SLUICE_SERVICES:
+            if var == "SLUICE_S3_PUBLIC_ENDPOINT" and service != "api":
+                continue  # only the API presigns URLs
+            assert passed[service]["environment"].get(var) == marker, f"{var} does not reach {service}"
+        if name in _ONPREM_DEFAULTS:
+            continue
+        assert str(services["api"]["environment"][var]) == _shown(field.default), f"{var}: compose's default differs"
