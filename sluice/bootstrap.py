@@ -1,6 +1,14 @@
 """Create the queues, tables and bucket if they are missing (embedded and on-prem
 profiles; on AWS the CDK stack owns them). Safe to run any number of times, and
-by several processes at once (the on-prem API and workers run it as they start)."""
+by several processes at once (the on-prem API and workers run it as they start).
+
+Queues and a bucket that exist already are given this process's settings (a
+visibility timeout, max attempts, the results' expiry) where `apply` is true,
+as the containers do when they start with the deployment's settings. An
+operator's `sluice bootstrap` passes False unless told otherwise: run from a
+shell without the deployment's settings, it would set Settings' defaults on
+live queues (and expire stored results sooner). The differences go to
+`changes` either way, each as one line."""
 
 from __future__ import annotations
 
@@ -16,10 +24,10 @@ from sluice.settings import Settings
 log = logging.getLogger("sluice.bootstrap")
 
 
-def ensure_resources(settings: Settings) -> dict[str, str]:
-    urls = ensure_queues(settings)
+def ensure_resources(settings: Settings, apply: bool = True, changes: list[str] | None = None) -> dict[str, str]:
+    urls = ensure_queues(settings, apply, changes)
     ensure_tables(settings)
-    ensure_bucket(settings)
+    ensure_bucket(settings, apply, changes)
     return urls
 
 
@@ -39,12 +47,13 @@ def ensure_resources_on_start(settings: Settings) -> None:
     log.info("queues, tables and bucket are in place")
 
 
-def ensure_queues(settings: Settings) -> dict[str, str]:
+def ensure_queues(settings: Settings, apply: bool = True, changes: list[str] | None = None) -> dict[str, str]:
     sqs = client("sqs", settings)
+    changes = [] if changes is None else changes
     urls: dict[str, str] = {}
     for priority in Priority:
         dlq_url = _ensure_queue(sqs, settings.queue_name(priority, dlq=True),
-                                {"MessageRetentionPeriod": str(MESSAGE_RETENTION_S)})
+                                {"MessageRetentionPeriod": str(MESSAGE_RETENTION_S)}, apply, changes)
         dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         # A task's last attempt ends with its message released, and that
         # message's next receive must move it to the DLQ: the queue's
@@ -54,13 +63,31 @@ def ensure_queues(settings: Settings) -> dict[str, str]:
             "VisibilityTimeout": str(settings.visibility_timeout_s),
             "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_attempts)}),
         }
-        urls[priority.value] = _ensure_queue(sqs, settings.queue_name(priority), attributes)
+        urls[priority.value] = _ensure_queue(sqs, settings.queue_name(priority), attributes, apply, changes)
         urls[f"{priority.value}-dlq"] = dlq_url
     return urls
 
 
-def _ensure_queue(sqs, name: str, attributes: dict[str, str]) -> str:
-    """The queue's URL, created with these attributes or given them."""
+# Where each queue attribute comes from, for an operator reading a difference.
+_FROM = {"VisibilityTimeout": "SLUICE_VISIBILITY_TIMEOUT_S", "RedrivePolicy": "SLUICE_MAX_ATTEMPTS",
+         "MessageRetentionPeriod": "fixed: 14 days"}
+
+
+def _comparable(name: str, value: str | None):
+    if name == "RedrivePolicy" and value:
+        policy = json.loads(value)
+        return policy.get("deadLetterTargetArn"), int(policy.get("maxReceiveCount", 0))
+    return value
+
+
+def _shown(name: str, value: str | None) -> str | None:
+    if name == "RedrivePolicy":
+        return f"maxReceiveCount {_comparable(name, value)[1]}" if value else "none"
+    return value
+
+
+def _ensure_queue(sqs, name: str, attributes: dict[str, str], apply: bool, changes: list[str]) -> str:
+    """The queue's URL, created with these attributes or (`apply`) given them."""
     try:
         return sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
     except ClientError as err:
@@ -70,7 +97,12 @@ def _ensure_queue(sqs, name: str, attributes: dict[str, str]) -> str:
     # Created before with other settings (a persistent on-prem LocalStack, an
     # earlier release): a DLQ as much as a queue, or bootstrap would stop half-way.
     url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
-    sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
+    current = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=list(attributes)).get("Attributes", {})
+    differ = {k: v for k, v in attributes.items() if _comparable(k, current.get(k)) != _comparable(k, v)}
+    for key, value in differ.items():
+        changes.append(f"queue {name}: {key} {_shown(key, current.get(key))} -> {_shown(key, value)} ({_FROM[key]})")
+    if differ and apply:
+        sqs.set_queue_attributes(QueueUrl=url, Attributes=differ)
     return url
 
 
@@ -106,7 +138,7 @@ def ensure_tables(settings: Settings) -> None:
 PAYLOAD_PREFIXES = (INPUTS_PREFIX, RESULTS_PREFIX)
 
 
-def ensure_bucket(settings: Settings) -> None:
+def ensure_bucket(settings: Settings, apply: bool = True, changes: list[str] | None = None) -> None:
     s3 = client("s3", settings)
     try:
         s3.head_bucket(Bucket=settings.bucket)
@@ -120,7 +152,7 @@ def ensure_bucket(settings: Settings) -> None:
         except ClientError as err:
             if err.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":  # another process made it meanwhile
                 raise
-    ensure_lifecycle(s3, settings)
+    ensure_lifecycle(s3, settings, apply, [] if changes is None else changes)
 
 
 def lifecycle_rules(settings: Settings) -> list[dict]:
@@ -138,11 +170,13 @@ def lifecycle_rules(settings: Settings) -> list[dict]:
     ]
 
 
-def ensure_lifecycle(s3, settings: Settings) -> None:
+def ensure_lifecycle(s3, settings: Settings, apply: bool = True, changes: list[str] | None = None) -> None:
     """Sluice's expiry rules on the bucket, keeping any other rule it has. A store
     without lifecycle support gets a warning, not a failed bootstrap: Sluice runs
-    the same without it, only its payloads are never deleted."""
+    the same without it, only its payloads are never deleted. A rule of ours
+    that is missing is always added; one that differs is replaced where `apply`."""
     ours = lifecycle_rules(settings)
+    changes = [] if changes is None else changes
     try:
         try:
             existing = s3.get_bucket_lifecycle_configuration(Bucket=settings.bucket)["Rules"]
@@ -153,6 +187,16 @@ def ensure_lifecycle(s3, settings: Settings) -> None:
         kept = [rule for rule in existing if rule.get("ID") not in {r["ID"] for r in ours}]
         if all(rule in existing for rule in ours):
             return
+        by_id = {rule.get("ID"): rule for rule in existing}
+        for rule in ours:
+            was = by_id.get(rule["ID"])
+            if was is not None and _expiry(was) != _expiry(rule):
+                changes.append(f"bucket {settings.bucket}: {rule['Filter']['Prefix']} expire after "
+                               f"{_expiry(was)[0]} -> {rule['Expiration']['Days']} days (SLUICE_RESULT_TTL_DAYS)")
+        if not apply:
+            if all(rule["ID"] in by_id for rule in ours):
+                return
+            ours = [by_id.get(rule["ID"], rule) for rule in ours]  # only the missing ones added
         s3.put_bucket_lifecycle_configuration(Bucket=settings.bucket, LifecycleConfiguration={"Rules": kept + ours})
     except ClientError as err:
         error = err.response.get("Error", {})
@@ -160,3 +204,7 @@ def ensure_lifecycle(s3, settings: Settings) -> None:
                     "will not expire (results after %d days, inputs after %d), delete them from the store yourself",
                     settings.bucket, error.get("Code"), error.get("Message"), settings.result_ttl_days,
                     payload_ttl_days(INPUTS_PREFIX, settings.result_ttl_days))
+
+
+def _expiry(rule: dict) -> tuple:
+    return rule.get("Expiration", {}).get("Days"), rule.get("Status")

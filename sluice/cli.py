@@ -415,10 +415,17 @@ def cmd_keys_revoke(args) -> int:
     return 0
 
 
-def cmd_bootstrap(_args) -> int:
+def cmd_bootstrap(args) -> int:
     from sluice.bootstrap import ensure_resources
 
-    print(json.dumps(ensure_resources(_settings()), indent=2))
+    changes: list[str] = []
+    print(json.dumps(ensure_resources(_settings(), apply=args.apply_settings, changes=changes), indent=2))
+    for change in changes:
+        print(f"sluice bootstrap: {'set' if args.apply_settings else 'differs, left as it is'}: {change}",
+              file=sys.stderr)
+    if changes and not args.apply_settings:
+        print("sluice bootstrap: existing queues and bucket keep their settings; run it with this deployment's "
+              "SLUICE_ settings and --apply-settings to set them", file=sys.stderr)
     return 0
 
 
@@ -518,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_keys_revoke)
 
     p = sub.add_parser("bootstrap", help="create queues, tables and bucket if missing")
+    p.add_argument("--apply-settings", action="store_true",
+                   help="also give existing queues and bucket this shell's settings (visibility timeout, max "
+                        "attempts, result expiry); without it their differences are only printed")
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser("dlq", help="list or redrive dead-letter messages, or settle their unfinished tasks")

@@ -205,3 +205,36 @@ def item_bytes(attributes: dict) -> int:
             return 3 + sum(size(e) + 1 for e in v)
         raise AssertionError(f"no size rule for {kind}")
     return sum(len(name.encode()) + size(value) for name, value in attributes.items())
+
+
+def _queue_settings(settings: Settings) -> tuple[int, int]:
+    sqs = boto3.client("sqs")
+    url = sqs.get_queue_url(QueueName=settings.queue_name(Priority.normal))["QueueUrl"]
+    got = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout", "RedrivePolicy"])["Attributes"]
+    return int(got["VisibilityTimeout"]), int(json.loads(got["RedrivePolicy"])["maxReceiveCount"])
+
+
+def test_an_operator_s_bootstrap_leaves_live_settings_alone_unless_told(moto_endpoint, monkeypatch, capsys):
+    # Run from a shell without the deployment's settings, `sluice bootstrap`
+    # once set Settings' defaults on live queues and expired results sooner.
+    from sluice import cli
+
+    deployed = fresh(Settings(models="synthetic"), visibility_timeout_s=300, max_attempts=5, result_ttl_days=30)
+    ensure_resources(deployed)
+    for name in ("queue_prefix", "tasks_table", "keys_table", "bucket"):
+        monkeypatch.setenv(f"SLUICE_{name.upper()}", getattr(deployed, name))
+    assert cli.main(["bootstrap"]) == 0
+    assert _queue_settings(deployed) == (300, 5)
+    assert expiry(deployed)["results/"] == (30, "Enabled")
+    said = capsys.readouterr().err
+    normal = deployed.queue_name(Priority.normal)
+    assert f"queue {normal}: VisibilityTimeout 300 -> 60 (SLUICE_VISIBILITY_TIMEOUT_S)" in said
+    assert f"queue {normal}: RedrivePolicy maxReceiveCount 5 -> maxReceiveCount 3 (SLUICE_MAX_ATTEMPTS)" in said
+    assert "results/ expire after 30 -> 7 days (SLUICE_RESULT_TTL_DAYS)" in said
+    assert "--apply-settings" in said
+    # Told to, as compose's init service is, with the deployment's settings.
+    assert cli.main(["bootstrap", "--apply-settings"]) == 0
+    assert _queue_settings(deployed) == (60, 3)
+    assert expiry(deployed)["results/"] == (7, "Enabled")
+    assert cli.main(["bootstrap"]) == 0
+    assert capsys.readouterr().err.count("differs") == 0  # nothing left to tell

@@ -203,7 +203,7 @@ def test_the_stack_emulates_sqs_dynamodb_cloudwatch_and_s3():
 
 def test_init_bootstraps_before_api_and_workers_start():
     services = load(REQUIRED)["services"]
-    assert services["init"]["command"] == ["sluice", "bootstrap"]
+    assert services["init"]["command"] == ["sluice", "bootstrap", "--apply-settings"]
     assert services["init"]["depends_on"]["localstack"]["condition"] == "service_healthy"
     assert services["init"]["depends_on"]["minio"] == {"condition": "service_healthy", "required": False}
     for name in ["api", *WORKERS]:
