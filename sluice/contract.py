@@ -184,8 +184,8 @@ class TaskTimings(BaseModel):
     started_at: int | None = Field(default=None, description="When its batch began inference (on SageMaker: when "
                                                              "its endpoint call was made).")
     finished_at: int | None = Field(default=None, description="When its outcome was recorded.")
-    queue_ms: int | None = Field(default=None, description="started_at - created_at: waiting in its queue and "
-                                                           "behind the batch ahead of it on the model.")
+    queue_ms: int | None = Field(default=None, ge=0, description="started_at - created_at: waiting in its queue and "
+                                                                 "behind the batch ahead of it on the model.")
     inference_ms: int | None = Field(default=None, description="The model's time for the batch it ran in; the rest "
                                                                "of finished_at - started_at is recording outcomes.")
 
@@ -376,7 +376,9 @@ class TaskRecord(BaseModel):
         return self.attempts if self.error_code else self.attempts + 1
 
     def to_view(self, result: Any = None, result_url: str | None = None) -> TaskView:
-        queue_ms = self.started_at - self.created_at if self.started_at else None
+        # created_at is the API host's clock, started_at the worker's: a worker
+        # whose clock is behind would show a negative wait.
+        queue_ms = max(0, self.started_at - self.created_at) if self.started_at else None
         error = (
             TaskError(code=self.error_code, message=self.error_message or "")
             if self.error_code

@@ -13,6 +13,7 @@ from sluice.contract import (
     TaskMessage,
     TaskRecord,
     TaskStatus,
+    TaskView,
     can_transition,
 )
 
@@ -75,6 +76,14 @@ def test_record_view_derives_queue_time_and_error():
     view = record.to_view()
     assert view.timings.queue_ms == 250
     assert view.error.code == "model_error" and view.error.message == "boom"
+
+
+def test_a_worker_clock_behind_the_api_s_shows_no_negative_queue_time():
+    # created_at is stamped by the API host, started_at by the worker's.
+    record = TaskRecord(task_id="t1", tenant_id="a", model="m", priority=Priority.high, status=TaskStatus.succeeded,
+                        input_count=1, created_at=1000, started_at=900)
+    assert record.to_view().timings.queue_ms == 0
+    assert TaskView.model_json_schema()["$defs"]["TaskTimings"]["properties"]["queue_ms"]["anyOf"][0]["minimum"] == 0
 
 
 def _without_null_defaults(schema):
