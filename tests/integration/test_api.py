@@ -2,6 +2,7 @@
 
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -656,3 +657,23 @@ def test_a_body_sent_where_no_route_takes_one_is_not_read(settings, method, path
 
     status, read = asyncio.run(scenario())
     assert status in (404, 405) and read <= 1, (status, read)
+
+
+def test_a_submit_whose_records_the_table_keeps_leaving_unprocessed_is_503_and_sends_nothing(
+        api, settings, monkeypatch):
+    # DynamoDB answers a throttled BatchWriteItem with UnprocessedItems, not an
+    # error. Taken as written, the message went out and the client got a 202
+    # for a task with no record: a worker drops it as rolled back, a GET is 404.
+    real = BaseClient._make_api_call
+
+    def throttled(client, operation, params):
+        if operation == "BatchWriteItem":
+            return {"UnprocessedItems": params["RequestItems"]}
+        return real(client, operation, params)
+
+    monkeypatch.setattr(BaseClient, "_make_api_call", throttled)
+    monkeypatch.setattr(task_store, "time", SimpleNamespace(sleep=lambda _: None, time=time.time))  # no backoff
+    response = submit(api, api.key_a)
+    assert response.status_code == 503 and response.headers["Retry-After"], response.text
+    assert response.json()["error"]["code"] == "dependency_unavailable"
+    assert nothing_recorded(settings)

@@ -449,3 +449,21 @@ def test_a_pass_slowed_past_half_its_hide_leaves_its_requeues_to_the_next_round(
     assert settle_dead(queues, store, [Priority.normal], 3) == {"failed": 0, "requeued": 1}
     [message] = receive_all(settings, 1)
     assert message.task().task_id == "slow-read"
+
+
+def test_a_worker_that_requeued_a_task_settles_it_again_when_it_is_dead_lettered_again(settings):
+    # A worker's settling remembers only final tasks across rounds. One it
+    # requeued, whose next run took its worker down too, comes back to the DLQ:
+    # taken for final, it would never be read again, and stay queued for ever.
+    queues, store = PriorityQueues(settings), TaskStore(settings)
+    dead_letter(queues, store, "requeued-twice", attempts=1)  # ran twice, no outcome
+    known_final: set = set()
+    assert settle_dead(queues, store, [Priority.normal], 3, known_final=known_final) == {"failed": 0, "requeued": 1}
+    # Its requeued message's run killed its worker (the claim recorded its start), and it is dead-lettered again.
+    [again] = receive_all(settings, 1)
+    store.apply(Change("requeued-twice", {"started_at": 1}, (TaskStatus.queued,), add_attempt=True))
+    queues.sqs.send_message(QueueUrl=queues.dlq_url(Priority.normal), MessageBody=again.body)
+    queues.delete_many([again])
+    assert settle_dead(queues, store, [Priority.normal], 3, known_final=known_final) == {"failed": 1, "requeued": 0}
+    record = store.get("requeued-twice")
+    assert (record.status, record.error_code, record.attempts) == (TaskStatus.failed, "dead_lettered", 3)

@@ -415,3 +415,33 @@ def test_two_retries_at_once_of_an_accepted_task_at_a_full_queue_both_get_it_bac
     one.queues.send = the_other_retry_claims_first
     again = one.submit("t", REQUEST, "both-retry")  # its claim finds the other's: accepted all the same, not a 429
     assert again.task_id == first.task_id and again.status == TaskStatus.queued
+
+
+def test_a_retry_never_claims_a_record_written_afresh_after_its_read(settings):
+    """B, a retry, reads A's record and re-sends its message; A's rollback
+    deletes the record and C writes it afresh, all before B's claim. B's
+    message names A's record (its created_at), which a worker drops: were B's
+    claim to land on C's record, C's rollback would leave it, queued with no
+    message to run it."""
+    task_id = idempotent_task_id("t", "raced afresh")
+    a, b, c = TaskService(settings), TaskService(settings), TaskService(settings)
+    first = a._build("t", REQUEST, task_id)[0]
+    a.store.create(first, "token-a")  # A: record written, message not yet sent
+    send, raced = b.queues.send, []
+
+    def sent_then_a_rolls_back_and_c_writes(message):
+        send(message)
+        if not raced:
+            raced.append(message)
+            a.store.delete_if_queued(task_id, "token-a")  # A's send failed: its rollback lands
+            while now_ms() <= first.created_at:
+                pass  # C's record is another one: created later
+            c.store.create(c._build("t", REQUEST, task_id)[0], "token-c")  # C: record written, no message yet
+
+    b.queues.send = sent_then_a_rolls_back_and_c_writes
+    assert b.submit("t", REQUEST, "raced afresh").status == TaskStatus.queued  # B: 202
+    c.store.delete_if_queued(task_id, "token-c")  # C's send failed: its rollback
+    record = b.store.get(task_id)
+    assert record is not None, "B answered 202 for a task that is gone"
+    sent = PriorityQueues(settings).receive(Priority.normal, 10, 1, 30)
+    assert record.created_at in {m.task().enqueued_at for m in sent}, "no message runs the record B answered for"

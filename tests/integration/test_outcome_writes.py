@@ -131,3 +131,29 @@ def test_a_refused_write_whose_landing_cannot_be_read_is_its_own_changes_error(s
     applied = store.apply_each([Change(t, finished, (TaskStatus.queued,)) for t in ("refused", "fine")])
     assert set(applied.errored) == {"refused"} and not applied.rejected
     assert TaskStore(settings).get("fine").status is TaskStatus.failed
+
+
+def test_an_outcome_write_that_lands_but_answers_a_5xx_keeps_its_result_object(api, settings):
+    # Every try of the write answered 500 (the SDK gave up), but the first one
+    # landed: the record names the result's object. Deleting the upload as if
+    # the write surely failed leaves a succeeded task whose result is gone.
+    to_s3 = settings.model_copy(update={"inline_result_max_bytes": 0})
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    (delivery,) = PriorityQueues(to_s3).receive(Priority.normal, 10, 1, 30)
+    store = TaskStore(to_s3, ddb=new_client("dynamodb", to_s3))  # its own: the test replaces its calls
+    update_item = store.ddb.update_item
+
+    def landed_then_5xx(**request):
+        update_item(**request)
+        raise ClientError({"Error": {"Code": "InternalServerError", "Message": "lost"},
+                           "ResponseMetadata": {"HTTPStatusCode": 500}}, "UpdateItem")
+
+    store.ddb.update_item = landed_then_5xx
+    plan = plan_outcomes([Outcome(Job(delivery.task(), [delivery]), result={"run": 1})], now_ms(), to_s3)
+    with ThreadPoolExecutor(2) as pool:
+        applied = record_outcomes(store, PayloadStore(to_s3), plan, pool)
+    assert list(applied.errored) == [task_id]  # set aside: it goes back to its queue
+    record = TaskStore(to_s3).get(task_id)
+    assert record.status.value == "succeeded" and record.result_key
+    assert PayloadStore(to_s3).get_json(record.result_key) == {"run": 1}

@@ -328,3 +328,32 @@ def test_a_send_that_sqs_does_not_answer_fails_the_rest_at_once(settings, monkey
     with pytest.raises(SendFailed) as failed:
         queues.send_many([message(f"s{i}") for i in range(25)])
     assert calls == [10] and len(failed.value.failed_ids) == 25
+
+
+def test_a_dead_letter_of_more_than_one_chunk_deletes_exactly_the_messages_sqs_stored(settings):
+    # SendMessageBatch takes ten: each chunk's entry ids count from 0 again.
+    # Read as the first chunk's, a later chunk's successes passed an unsent
+    # message for stored (deleted, lost) and the later ones for unsent.
+    queues = PriorityQueues(settings)
+    ids = [f"t{i:02}" for i in range(14)]
+    queues.send_many([message(t) for t in ids])
+    held = drain(queues, Priority.normal, 14)
+    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, "t03")
+    with pytest.raises(SendFailed) as failed:
+        queues.dead_letter(held)
+    queues.sqs = real
+    assert failed.value.failed_ids == ["t03"]
+    assert sorted(d["task_id"] for d in list_dead(queues, [Priority.normal])) == [t for t in ids if t != "t03"]
+    assert depth(queues, queues.url(Priority.normal)) == (0, 1)  # t03's, still held by this worker
+
+
+def test_a_message_sqs_reports_not_stored_is_named_by_send_many(settings):
+    # SendMessageBatch answers 200 and lists an entry it could not store in
+    # `Failed`. Read as sent, its submit answers 202 and its record waits
+    # `queued` for a message that never comes.
+    queues = PriorityQueues(settings)
+    queues.sqs = FailsToStore(queues.sqs, "lost")
+    with pytest.raises(SendFailed) as failed:
+        queues.send_many([message("kept"), message("lost"), message("kept-too")])
+    assert failed.value.failed_ids == ["lost"]
+    assert sorted(m.task().task_id for m in drain(queues, Priority.normal, 2)) == ["kept", "kept-too"]

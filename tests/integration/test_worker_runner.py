@@ -5,6 +5,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from sluice.adapters.payload_store import PayloadStore
 from sluice.adapters.queues import PriorityQueues
 from sluice.adapters.task_store import TaskStore
@@ -429,3 +431,22 @@ def test_a_bisected_batch_is_counted_once_with_the_time_of_its_failed_runs(setti
     assert sorted(o.job.message.task_id for o in outcomes if o.error) == ["t3"]
     assert [size for size, _ in recorded] == [8]
     assert recorded[0][1] >= 0.9 * took_ms, (recorded, took_ms)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["retried", "last_attempt"])
+def test_a_task_cancelled_during_a_crashing_attempt_is_acknowledged(api, settings, runner, last):
+    # A model error (retried, or failing the task on its last attempt) whose
+    # write the cancel beat: its message is deleted, not left to come back
+    # after its visibility timeout and spend a receive (on the last, into the DLQ).
+    task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x !crash"]},
+                       headers={"x-api-key": api.key_a}).json()["task_id"]
+    [message] = receive_all(settings, 1)
+    if last:
+        message.receive_count = settings.max_attempts
+    prepared = runner.prepare([message])
+    outcomes = runner.infer(prepared.jobs)
+    assert outcomes[0].error and not outcomes[0].permanent
+    assert api.delete(f"/v1/tasks/{task_id}", headers={"x-api-key": api.key_a}).status_code == 200
+    runner.finish(prepared, outcomes)
+    assert TaskStore(settings).get(task_id).status.value == "cancelled"
+    assert messages_left(settings) == 0

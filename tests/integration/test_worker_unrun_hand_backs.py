@@ -359,3 +359,44 @@ def test_a_stopping_worker_hands_back_only_the_claimed_tasks_of_a_prepared_batch
         AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
     assert sum(int(v) for v in attributes.values()) == 1, "the settled tasks' messages were not deleted"
     assert {m.receipt_handle for m in batch} <= {m.receipt_handle for m in released + given}
+
+
+def test_a_preparation_whose_inputs_stage_fails_takes_back_the_starts_its_claim_recorded(
+        settings, runner, monkeypatch):
+    # Per-task read errors are outcomes; the stage itself failing (its pool shut
+    # down, a defect) sends the whole batch back unrun, after the claim.
+    [task_id] = submit(settings, "claimed, never loaded")
+    batch = redeliver(settings, receive(settings, [task_id]), [task_id])  # its claim records a start
+
+    def broken(*_):
+        raise RuntimeError("the inputs stage itself failed")
+
+    monkeypatch.setattr(runner_module, "load_inputs", broken)
+    run_pipeline(runner, batch)  # prepare raises; the batch is released, to be received again
+    record = TaskStore(settings).get(task_id)
+    assert (record.status.value, record.attempts, record.started_at) == ("queued", 0, None), record
+
+
+def test_a_finish_that_fails_outright_still_releases_its_batch(settings, runner):
+    # finish releases the messages its queue calls settle; one that raises
+    # before them (a defect) must not leave its batch held: the worker's
+    # heartbeat extends a held message for as long as the worker lives.
+    [task_id] = submit(settings, "finish fails")
+    batches, released, finished = [receive(settings, [task_id])], [], threading.Event()
+
+    def take_batch():
+        if batches:
+            return batches.pop()
+        finished.wait(15)  # not stopping before the batch is through: a stopping pipeline releases it itself
+        pipeline.stopping.set()
+        return []
+
+    def broken(prepared, outcomes, release=None):
+        finished.set()
+        raise RuntimeError("finish itself failed")
+
+    runner.finish = broken
+    pipeline = Pipeline(runner, take_batch, released.extend, lambda messages, delay_s=0: None)
+    pipeline.run()
+    assert finished.is_set()
+    assert [m.task().task_id for m in released] == [task_id]

@@ -821,3 +821,20 @@ def test_a_redelivered_task_goes_to_the_endpoint_in_a_call_of_its_own(dispatch, 
     SageMakerRuntime.calls.clear()
     assert dispatch(event) == {"batchItemFailures": []}
     assert sorted(len(call["tasks"]) for call in SageMakerRuntime.calls) == [1, 1, 1, 2]
+
+
+def test_a_requeued_task_failing_one_receive_short_of_max_receive_count_is_dead_lettered_at_once(
+        dispatch, settings):
+    # Requeued after one run without an outcome, it fails its last allowed run
+    # on its new message's second receive. SQS moves a message only once its
+    # receives pass maxReceiveCount (3): handed back for SQS to move, it would
+    # be delivered a third time instead and, its task final, deleted, leaving
+    # the failed task no dead letter.
+    (task_id,) = submit(settings, {"model": "synthetic", "inputs": ["boom !crash"]})
+    event = sqs_event(settings, 1, receive_count=settings.max_attempts - 1)
+    event["Records"][0]["body"] = json.dumps({**json.loads(event["Records"][0]["body"]), "runs_before": 1})
+    assert dispatch(event) == {"batchItemFailures": []}  # Lambda deletes it from its queue
+    final = TaskStore(settings).get(task_id)
+    assert (final.status, final.attempts, final.error_code) == (TaskStatus.failed, settings.max_attempts,
+                                                                "model_error")
+    assert [d["task_id"] for d in list_dead(PriorityQueues(settings), [Priority.normal])] == [task_id]
