@@ -42,10 +42,12 @@ def test_submits_during_a_write_share_the_next_groups_and_get_their_own_errors()
         except ValueError as exc:
             results[n] = f"error {exc}"
 
-    first = threading.Thread(target=submit, args=(0,))
+    # Daemons: a broken hand-off leaves submits waiting for ever, and the test
+    # must fail, not keep the interpreter from exiting.
+    first = threading.Thread(target=submit, args=(0,), daemon=True)
     first.start()
     wait_for(lambda: len(groups) == 1)  # the first write is in progress
-    others = [threading.Thread(target=submit, args=(n,)) for n in range(1, 31)]
+    others = [threading.Thread(target=submit, args=(n,), daemon=True) for n in range(1, 31)]
     for t in others:
         t.start()
     wait_for(lambda: len(commit._pending) == 30)

@@ -224,7 +224,7 @@ def test_a_table_that_does_not_answer_fails_a_first_look_and_a_wait_times_out():
     async def scenario():
         waiter = CompletionWaiter(store)
         with pytest.raises(ConnectionError):
-            await waiter.read("a")
+            await asyncio.wait_for(waiter.read("a"), 10)  # bounded: unfailed, it would wait for ever
         return await timed_wait(waiter, "a", 2)
 
     got, took = run(scenario())
@@ -280,7 +280,7 @@ def test_a_record_that_cannot_be_read_fails_only_its_own_first_looks():
         newer = asyncio.ensure_future(waiter.read("newer"))
         seen = await waiter.read("a")
         with pytest.raises(UnreadableRecord):
-            await newer
+            await asyncio.wait_for(newer, 10)  # bounded: unfailed, it would wait for ever
         return seen
 
     assert run(scenario()).task_id == "a"
