@@ -131,7 +131,7 @@ def test_a_cancel_during_inference_wins_and_the_result_is_dropped(api, settings,
     assert messages_left(settings) == 0  # acknowledged, not retried
 
 
-def test_a_task_cancelled_during_its_failing_last_attempt_is_acknowledged(api, settings, runner):
+def test_a_task_cancelled_while_the_model_refuses_its_input_is_acknowledged(api, settings, runner):
     task_id = api.post("/v1/tasks", json={"model": "synthetic", "inputs": ["x !fail"]},
                        headers={"x-api-key": api.key_a}).json()["task_id"]
     [message] = receive_all(settings, 1)
