@@ -260,19 +260,26 @@ def test_a_dead_letter_sqs_did_not_store_elsewhere_stays_in_the_dlq(settings, mo
     assert sorted(m.task().task_id for m in drain(queues, Priority.normal, 3)) == ["a", "b", "c"]
 
 
-def test_a_message_dead_lettered_by_a_worker_is_deleted_only_once_sqs_stored_it(settings):
+@pytest.mark.parametrize("ids, unstored", [
+    (["a", "b", "c"], "b"),
+    # SendMessageBatch takes ten: each chunk's entry ids count from 0 again.
+    # Read as the first chunk's, a later chunk's successes passed an unsent
+    # message for stored (deleted, lost) and the later ones for unsent.
+    ([f"t{i:02}" for i in range(14)], "t03"),
+], ids=["one_chunk", "two_chunks"])
+def test_a_message_dead_lettered_by_a_worker_is_deleted_only_once_sqs_stored_it(settings, ids, unstored):
     # A requeued task failed below maxReceiveCount (PriorityQueues.dead_letter):
     # one SQS did not store stays in its queue and is named; the others move.
     queues = PriorityQueues(settings)
-    queues.send_many([message(t) for t in "abc"])
-    held = drain(queues, Priority.normal, 3)
-    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, "b")
+    queues.send_many([message(t) for t in ids])
+    held = drain(queues, Priority.normal, len(ids))
+    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, unstored)
     with pytest.raises(SendFailed) as failed:
         queues.dead_letter(held)
     queues.sqs = real
-    assert failed.value.failed_ids == ["b"]
-    assert sorted(d["task_id"] for d in list_dead(queues, [Priority.normal])) == ["a", "c"]
-    assert depth(queues, queues.url(Priority.normal)) == (0, 1)  # b's, still held by this worker
+    assert failed.value.failed_ids == [unstored]
+    assert sorted(d["task_id"] for d in list_dead(queues, [Priority.normal])) == [t for t in ids if t != unstored]
+    assert depth(queues, queues.url(Priority.normal)) == (0, 1)  # its own, still held by this worker
 
 
 def test_payloads_round_trip_and_presigned_url_serves_the_object(settings):
@@ -328,23 +335,6 @@ def test_a_send_that_sqs_does_not_answer_fails_the_rest_at_once(settings, monkey
     with pytest.raises(SendFailed) as failed:
         queues.send_many([message(f"s{i}") for i in range(25)])
     assert calls == [10] and len(failed.value.failed_ids) == 25
-
-
-def test_a_dead_letter_of_more_than_one_chunk_deletes_exactly_the_messages_sqs_stored(settings):
-    # SendMessageBatch takes ten: each chunk's entry ids count from 0 again.
-    # Read as the first chunk's, a later chunk's successes passed an unsent
-    # message for stored (deleted, lost) and the later ones for unsent.
-    queues = PriorityQueues(settings)
-    ids = [f"t{i:02}" for i in range(14)]
-    queues.send_many([message(t) for t in ids])
-    held = drain(queues, Priority.normal, 14)
-    real, queues.sqs = queues.sqs, FailsToStore(queues.sqs, "t03")
-    with pytest.raises(SendFailed) as failed:
-        queues.dead_letter(held)
-    queues.sqs = real
-    assert failed.value.failed_ids == ["t03"]
-    assert sorted(d["task_id"] for d in list_dead(queues, [Priority.normal])) == [t for t in ids if t != "t03"]
-    assert depth(queues, queues.url(Priority.normal)) == (0, 1)  # t03's, still held by this worker
 
 
 def test_a_message_sqs_reports_not_stored_is_named_by_send_many(settings):
