@@ -44,12 +44,27 @@ $(DYNALITE_STAMP): $(DYNALITE)/package-lock.json
 		npm ci --prefix $(DYNALITE) --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "npm not found: DynamoDB stays on moto in make run" >&2; fi
 
-install: $(STAMP) $(LS_STAMP) $(DYNALITE_STAMP)
+# fauxqs (Node) serves SQS in `make run`: a quarter of LocalStack's CPU per task
+# (docs/benchmarks.md). Without npm, `make run` keeps SQS on LocalStack.
+FAUXQS := onprem/fauxqs
+FAUXQS_STAMP := $(FAUXQS)/node_modules/.installed
+$(FAUXQS_STAMP): $(FAUXQS)/package-lock.json
+	@if command -v npm >/dev/null; then \
+		npm ci --prefix $(FAUXQS) --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "npm not found: SQS stays on LocalStack in make run" >&2; fi
+
+install: $(STAMP) $(LS_STAMP) $(DYNALITE_STAMP) $(FAUXQS_STAMP)
 
 run: install  ## the whole service on this machine (embedded profile)
 	$(PY) -m onprem.embedded
 
+# First the integration suite once more with SQS on fauxqs, make run's SQS (its
+# tests use moto's otherwise), then the whole suite. Without npm, fauxqs's pass is skipped, said out loud.
 test: install  ## the whole suite; collecting no test is a failure, said out loud
+	@if [ -e $(FAUXQS)/node_modules/fauxqs ]; then \
+		SLUICE_TEST_SQS=fauxqs $(PY) -m pytest -q tests/integration; rc=$$?; \
+		if [ $$rc -ne 0 ]; then echo "make test: the integration suite on fauxqs failed ($$rc)" >&2; exit $$rc; fi; \
+	else echo "make test: no fauxqs (npm missing): its integration pass is skipped" >&2; fi
 	$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 

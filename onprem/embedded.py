@@ -1,9 +1,9 @@
 """The embedded profile: the whole service on one machine, no Docker.
 
-Starts moto server (the AWS emulator) on 127.0.0.1, optionally with LocalStack
-core for SQS (SLUICE_EMBEDDED_SQS=localstack) and dynalite for DynamoDB
-(SLUICE_EMBEDDED_DDB=dynalite); `make run` uses both when `make install` built
-them (docs/benchmarks.md has the figures behind each). Creates queues, tables and
+Starts moto server (the AWS emulator) on 127.0.0.1, optionally with fauxqs or
+LocalStack core for SQS (SLUICE_EMBEDDED_SQS=fauxqs|localstack) and dynalite for
+DynamoDB (SLUICE_EMBEDDED_DDB=dynalite); `make run` uses fauxqs and dynalite
+when `make install` built them (docs/benchmarks.md has the figures behind each). Creates queues, tables and
 the bucket, registers a demo API key, then runs the API and the workers with
 the same entrypoints the container images use (containers/*/main.py), as
 processes. Ctrl-C, SIGTERM or SIGHUP (its terminal closed) stops workers first
@@ -140,7 +140,7 @@ def demo_key() -> str | None:
     return key
 
 
-SQS_EMULATORS = ("moto", "localstack")
+SQS_EMULATORS = ("moto", "localstack", "fauxqs")
 DDB_EMULATORS = ("moto", "dynalite")
 
 # prctl(2): the signal a process gets when the thread that forked it exits.
@@ -221,12 +221,20 @@ def emulator_env(port: int, sqs_url: str | None = None, ddb_url: str | None = No
 LOCALSTACK_PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
 LOCALSTACK_CATALOG = ROOT / ".venv-localstack" / "filesystem" / "usr" / "lib" / "localstack"
 DYNALITE = ROOT / "onprem" / "dynalite" / "node_modules" / ".bin" / "dynalite"
+FAUXQS = ROOT / "onprem" / "fauxqs" / "serve.mjs"
+FAUXQS_MODULES = ROOT / "onprem" / "fauxqs" / "node_modules" / "fauxqs"
 
 
 def default_sqs() -> str:
-    """What `make run` uses: LocalStack when make install built it. moto's SQS
-    slows as a queue grows and halved end-to-end throughput (docs/benchmarks.md)."""
-    return env_choice("SLUICE_EMBEDDED_SQS", SQS_EMULATORS, "localstack" if LOCALSTACK_PYTHON.exists() else "moto")
+    """What `make run` uses: fauxqs when make install built it (it needs npm),
+    else LocalStack. fauxqs spends a tenth of LocalStack's CPU per SQS call;
+    moto's SQS slows as a queue grows and halved end-to-end throughput
+    (docs/benchmarks.md)."""
+    if FAUXQS_MODULES.exists():
+        fallback = "fauxqs"
+    else:
+        fallback = "localstack" if LOCALSTACK_PYTHON.exists() else "moto"
+    return env_choice("SLUICE_EMBEDDED_SQS", SQS_EMULATORS, fallback)
 
 
 def default_ddb() -> str:
@@ -277,8 +285,8 @@ class Stack:
     api_port: int
     workers: int = 2
     emulator_port: int = 0
-    # SQS on "moto" or "localstack": moto's SQS slows as a queue grows, LocalStack's
-    # stays flat (docs/benchmarks.md). Unset, SLUICE_EMBEDDED_SQS or moto.
+    # SQS on "moto", "localstack" or "fauxqs": moto's SQS slows as a queue grows,
+    # the other two stay flat (docs/benchmarks.md). Unset, SLUICE_EMBEDDED_SQS or moto.
     sqs: str = field(default_factory=lambda: env_choice("SLUICE_EMBEDDED_SQS", SQS_EMULATORS, "moto"))
     sqs_port: int = 0
     # DynamoDB on "moto" or "dynalite"; unset, SLUICE_EMBEDDED_DDB or moto. S3 is
@@ -331,7 +339,7 @@ class Stack:
 
     @property
     def sqs_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.sqs_port}" if self.sqs == "localstack" and self.sqs_port else None
+        return f"http://127.0.0.1:{self.sqs_port}" if self.sqs != "moto" and self.sqs_port else None
 
     @property
     def ddb_url(self) -> str | None:
@@ -385,11 +393,12 @@ class Stack:
             command = [sys.executable, "-m", "onprem.moto_server"]
         proc = self._spawn("emulator", [*command, "-H", "127.0.0.1", "-p", str(self.emulator_port)],
                            on_launcher_death=EMULATOR_DEATH_SIGNAL)
-        sqs = self.start_localstack() if self.sqs == "localstack" else None
+        sqs = {"localstack": self.start_localstack, "fauxqs": self.start_fauxqs}.get(self.sqs, lambda: None)()
         ddb = self.start_dynalite() if self.ddb == "dynalite" else None
         self.wait(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
         if sqs is not None:
-            self.wait(f"{self.sqs_url}/_localstack/health", 60, alive=sqs)
+            health = "/_localstack/health" if self.sqs == "localstack" else "/health"
+            self.wait(f"{self.sqs_url}{health}", 60, alive=sqs)
         if ddb is not None:
             self.wait(f"{self.ddb_url}/", 30, alive=ddb)  # "healthy: dynamodb..." once it listens
 
@@ -398,6 +407,13 @@ class Stack:
         # In memory; tables are ACTIVE at once instead of after 500 ms.
         return self._spawn("ddb", [str(DYNALITE), "--host", "127.0.0.1", "--port", str(self.ddb_port),
                                    "--createTableMs", "0"], on_launcher_death=EMULATOR_DEATH_SIGNAL)
+
+    def start_fauxqs(self) -> subprocess.Popen:
+        if not FAUXQS_MODULES.exists():
+            raise RuntimeError(f"{FAUXQS_MODULES} is missing: `make install` installs it (it needs npm)")
+        self.sqs_port = self.sqs_port or free_port()
+        # In memory, like LocalStack here: make run's queues start empty.
+        return self._spawn("sqs", ["node", str(FAUXQS), str(self.sqs_port)], on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
     def start_localstack(self) -> subprocess.Popen:
         self.sqs_port = self.sqs_port or free_port()

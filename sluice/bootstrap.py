@@ -86,13 +86,17 @@ def _shown(name: str, value: str | None) -> str | None:
     return value
 
 
+_QUEUE_EXISTS = ("QueueAlreadyExists", "QueueNameExists", "AWS.SimpleQueueService.QueueNameExists")
+
+
 def _ensure_queue(sqs, name: str, attributes: dict[str, str], apply: bool, changes: list[str]) -> str:
     """The queue's URL, created with these attributes or (`apply`) given them."""
     try:
         return sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
     except ClientError as err:
-        # AWS and moto say QueueAlreadyExists, LocalStack QueueNameExists.
-        if err.response["Error"]["Code"] not in ("QueueAlreadyExists", "QueueNameExists"):
+        # AWS and moto say QueueAlreadyExists, LocalStack QueueNameExists, fauxqs
+        # (make run's SQS) the old Query API's AWS.SimpleQueueService.QueueNameExists.
+        if err.response["Error"]["Code"] not in _QUEUE_EXISTS:
             raise
     # Created before with other settings (a persistent on-prem LocalStack, an
     # earlier release): a DLQ as much as a queue, or bootstrap would stop half-way.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -12,13 +13,34 @@ from pathlib import Path
 import pytest
 from botocore.client import BaseClient
 
-from onprem.embedded import emulator_env, free_port, wait_http
+from onprem.embedded import FAUXQS, FAUXQS_MODULES, emulator_env, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # The fault tests send the synthetic model its '!crash' and '!fail' markers,
 # which a deployment ignores unless told (models/synthetic.py).
 os.environ["SLUICE_SYNTHETIC_FAULTS"] = "1"
+
+
+@contextlib.contextmanager
+def sqs_server():
+    """SQS on fauxqs (make run's) when SLUICE_TEST_SQS=fauxqs: `make test` runs
+    the suites that use queues once more that way. Otherwise nothing: moto's."""
+    choice = os.environ.get("SLUICE_TEST_SQS", "moto")
+    if choice == "moto":
+        yield None
+        return
+    if choice != "fauxqs" or not FAUXQS_MODULES.exists():
+        raise pytest.UsageError(f"SLUICE_TEST_SQS={choice!r}: moto, or fauxqs once `make install` built it")
+    port = free_port()
+    proc = subprocess.Popen(["node", str(FAUXQS), str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, alive=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -29,12 +51,13 @@ def moto_endpoint():
     proc = subprocess.Popen([sys.executable, "-m", "onprem.moto_server", "-H", "127.0.0.1", "-p", str(port)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_http(f"http://127.0.0.1:{port}/moto-api/", 30)
-        saved = dict(os.environ)
-        os.environ.update(emulator_env(port))
-        yield f"http://127.0.0.1:{port}"
-        os.environ.clear()
-        os.environ.update(saved)
+        with sqs_server() as sqs_url:
+            wait_http(f"http://127.0.0.1:{port}/moto-api/", 30)
+            saved = dict(os.environ)
+            os.environ.update(emulator_env(port, sqs_url=sqs_url))
+            yield f"http://127.0.0.1:{port}"
+            os.environ.clear()
+            os.environ.update(saved)
     finally:
         proc.terminate()
         proc.wait(10)

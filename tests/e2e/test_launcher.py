@@ -228,11 +228,11 @@ def test_sighup_stops_every_process_the_launcher_started(tmp_path, how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sqs", ["moto", "localstack"])
+@pytest.mark.parametrize("sqs", ["moto", "localstack", "fauxqs"])
 def test_a_killed_launcher_takes_every_process_it_started_with_it(tmp_path, sqs):
     # kill -9, the OOM killer, an IDE's stop button: no handler runs, yet nothing
-    # may be left holding the port against the next `make run`. LocalStack (make
-    # run's SQS) does not exit on SIGTERM while it answers a worker's long poll.
+    # may be left holding the port against the next `make run`, whichever SQS it
+    # runs. LocalStack does not exit on SIGTERM while it answers a worker's long poll.
     launcher = Launcher(launcher_args(free_port()), {**launcher_env(tmp_path), "SLUICE_EMBEDDED_SQS": sqs})
     started: set[int] = set()
     try:
@@ -310,7 +310,7 @@ def test_a_second_ctrl_c_kills_what_the_first_would_wait_for(tmp_path):
 @pytest.mark.parametrize("name, value, why", [
     ("SLUICE_PORT", "80a", "should be a whole number from 1 to 65535"),
     ("SLUICE_WORKERS", "two", "should be a whole number of 0 or more"),
-    ("SLUICE_EMBEDDED_SQS", "locastack", "should be one of moto, localstack"),
+    ("SLUICE_EMBEDDED_SQS", "locastack", "should be one of moto, localstack, fauxqs"),
     ("SLUICE_EMBEDDED_DDB", "dynalyte", "should be one of moto, dynalite"),
     # The API reads a header's bytes as Latin-1 and strips its ends: such a key never authenticates.
     ("SLUICE_API_KEY", "clé-demo", "should be printable ASCII without spaces at either end"),
