@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from bench.common import (Http, LoadResult, at_most, closed_loop, flag, log, pct, raise_if_flagged, save, sentence,
+from bench.common import (Http, default_sqs, LoadResult, at_most, closed_loop, flag, log, pct, raise_if_flagged, save, sentence,
                           settings, stack)
 
 
@@ -82,7 +82,8 @@ def purge() -> None:
     time.sleep(0.5)
 
 
-def main(quick: bool = False, sqs: str = "localstack") -> dict:
+def main(quick: bool = False, sqs: str | None = None) -> dict:
+    sqs = sqs or default_sqs()
     n1, n32 = (100, 320) if quick else (300, 960)
     results: dict = {"sqs": sqs, "phases": {}}
     with stack(workers=0, api=True, sqs=sqs) as s:
@@ -129,5 +130,5 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(quick="--quick" in sys.argv, sqs="moto" if "--moto" in sys.argv else "localstack"),
+    print(json.dumps(main(quick="--quick" in sys.argv, sqs="moto" if "--moto" in sys.argv else None),
                      indent=1))

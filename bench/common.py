@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("SLUICE_BENCH_RESULTS") or ROOT / "bench" / "results")
 sys.path.insert(0, str(ROOT))
 
-from onprem.embedded import Stack, default_ddb, free_port  # noqa: E402
+from onprem.embedded import Stack, default_ddb, default_sqs, free_port  # noqa: E402
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -246,15 +246,15 @@ def stop_bounded(s: Stack, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def stack(workers: int = 1, api: bool = True, sqs: str = "moto", env: dict[str, str] | None = None,
+def stack(workers: int = 1, api: bool = True, sqs: str | None = None, env: dict[str, str] | None = None,
           ddb: str | None = None, stop_timeout_s: float | None = None):
-    """The embedded profile (S3 on moto; SQS on moto or LocalStack; DynamoDB on
-    what `make run` uses unless `ddb` says). Yields the Stack with AWS_* of this
+    """The embedded profile (S3 on moto; SQS and DynamoDB on what `make run`
+    uses unless `sqs` or `ddb` says). Yields the Stack with AWS_* of this
     process pointed at its emulators. With stop_timeout_s, stopping it takes
     at most about that long (the GPU benchmark's time budget)."""
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     overrides = {"SLUICE_ACCESS_LOG": "0", "SLUICE_LOG_LEVEL": "WARNING", **(env or {})}
-    s = Stack(api_port=free_port(), workers=workers, sqs=sqs, ddb=ddb or default_ddb(), log_dir=logs,
+    s = Stack(api_port=free_port(), workers=workers, sqs=sqs or default_sqs(), ddb=ddb or default_ddb(), log_dir=logs,
               env_overrides=overrides)
     saved = dict(os.environ)
     try:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import (ROOT, Http, at_least, closed_loop, default_ddb, flag, kill_snapshot, log,
+from bench.common import (ROOT, Http, at_least, closed_loop, default_ddb, default_sqs, flag, kill_snapshot, log,
                           raise_if_flagged, save, sentence, snapshot_tree, stack)
 from bench.worker import raw
 
@@ -130,7 +130,8 @@ def incomplete(r: dict, requests: int) -> str | None:
     return ", ".join(why) or None
 
 
-def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads: int = 2) -> dict:
+def main(quick: bool = False, sqs: str | None = None, workers: int = 1, threads: int = 2) -> dict:
+    sqs = sqs or default_sqs()
     requests, clients = (600, 64) if quick else (2000, 64)
     results: dict = {"requests": requests, "clients": clients, "sqs": sqs, "dynamodb": default_ddb(), "systems": {}}
     log("e2e: raw model (batch 32, 2 threads, bf16 as the worker runs it)")
@@ -188,5 +189,5 @@ def main(quick: bool = False, sqs: str = "localstack", workers: int = 1, threads
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(quick="--quick" in sys.argv, sqs="moto" if "--moto" in sys.argv else "localstack"),
+    print(json.dumps(main(quick="--quick" in sys.argv, sqs="moto" if "--moto" in sys.argv else None),
                      indent=1))

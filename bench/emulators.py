@@ -1,8 +1,8 @@
 """What one AWS call costs on each emulator: the floor under every other figure.
 
 Runs each call Sluice makes on its hot path, sequentially (latency) and from 16
-threads (throughput), against moto and, when .venv-localstack exists, against
-LocalStack's SQS.
+threads (throughput), against moto and, where `make install` built them,
+against dynalite's DynamoDB and LocalStack's and fauxqs's SQS.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import lat_summary, log, reset_clients, save, settings, stack
-from onprem.embedded import DYNALITE, LOCALSTACK_PYTHON
+from onprem.embedded import DYNALITE, FAUXQS_MODULES, LOCALSTACK_PYTHON
 
 
 def _measure(fn, n: int, threads: int) -> dict:
@@ -108,6 +108,11 @@ def main(quick: bool = False) -> dict:
         with stack(workers=0, api=False, sqs="localstack"):
             reset_clients()
             results["localstack"] = {"sqs": run_sqs(n)}
+    if FAUXQS_MODULES.exists():
+        log("emulators: fauxqs (SQS)")
+        with stack(workers=0, api=False, sqs="fauxqs"):
+            reset_clients()
+            results["fauxqs"] = {"sqs": run_sqs(n)}
     reset_clients()
     save("emulators", {"n": n, "results": results})
     return results

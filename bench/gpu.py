@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from bench.common import ROOT, at_least, default_ddb, flag, log, raise_if_flagged, save
+from bench.common import ROOT, at_least, default_ddb, default_sqs, flag, log, raise_if_flagged, save
 from bench.worker import drain, raw_many
 
 # The worker drains at another switch interval go through this folder's
@@ -230,7 +230,7 @@ def main(quick: bool = False, dry_run: bool = False) -> dict:
                      "peak_bf16_tflops": peak, "memory_tbps": bandwidth,
                      "roofline": "per matmul max(FLOPs / peak, bytes / bandwidth), operands read and results "
                                  "written once in bf16, elementwise ops taken as fused (an optimistic bound)",
-                     "cores": os.cpu_count(), "dynamodb": default_ddb(), "sqs": "localstack",
+                     "cores": os.cpu_count(), "dynamodb": default_ddb(), "sqs": default_sqs(),
                      "budget_s": budget.total_s, "torch": torch.__version__}
     log(f"gpu: {name}: peak bf16 {peak} TFLOP/s, {bandwidth} TB/s ({results['spec_matched']}); "
         f"time budget {budget.total_s:.0f}s")

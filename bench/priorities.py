@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 
-from bench.common import at_least, at_most, flag, log, raise_if_flagged, save, settings, stack
+from bench.common import at_least, at_most, default_sqs, flag, log, raise_if_flagged, save, settings, stack
 from bench.worker import fill, first_finished, wait_drained
 
 RATES = {"high": 0.4, "normal": 0.7, "low": 0.4}  # x capacity: 1.5x in all
@@ -73,7 +73,8 @@ def backlogged_fraction(records: list, start_ms: float, end_ms: float, step_ms: 
     return round(hits / len(instants), 3)
 
 
-def main(quick: bool = False, sqs: str = "localstack") -> dict:
+def main(quick: bool = False, sqs: str | None = None) -> dict:
+    sqs = sqs or default_sqs()
     window_s = 15 if quick else 30
     drain_s = 30 if quick else 60  # at most, after the window: ~1.2 x window_s at capacity
     env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_DEVICE": "cpu", "SLUICE_TORCH_THREADS": "2"}

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--sqs", default="localstack")
+    p.add_argument("--sqs", default=None, help="moto, localstack or fauxqs (default: what make run uses)")
     p.add_argument("--py-spy", action="store_true")
     a = p.parse_args()
     env = {"SLUICE_MODELS": "minilm-embed", "SLUICE_TORCH_THREADS": str(a.threads)}
@@ -83,7 +83,7 @@ def main() -> None:
             sp.wait(60)
     done = max(1, len(r.latencies))
     per_task = {n: round((after[n] - before[n]) * 1000 / done, 2) for n in pids}
-    out = {"requests": a.requests, "sqs": a.sqs, "workers": a.workers, "threads": a.threads,
+    out = {"requests": a.requests, "sqs": s.sqs, "workers": a.workers, "threads": a.threads,
            "wall_s": round(wall, 1), **r.summary(), "cpu_ms_per_task": per_task,
            "cpu_ms_per_task_total": round(sum(per_task.values()), 1),
            "machine_cpu_ms_per_task_available": round(wall * (os.cpu_count() or 2) * 1000 / done, 1),

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, Http, flag, free_port, kill_snapshot, log, raise_if_flagged, save, snapshot_tree
+from bench.common import ROOT, Http, default_sqs, flag, free_port, kill_snapshot, log, raise_if_flagged, save, snapshot_tree
 
 DEADLINE_S = 120
 STOP_WAIT_S = 60  # after SIGINT, before SIGKILL
@@ -129,7 +129,8 @@ def once(sqs: str) -> dict:
 
 def main(quick: bool = False) -> dict:
     results: dict = {"runs": []}
-    for sqs in ("localstack", "moto"):
+    # make run's own SQS first (the target is judged on it), then moto's.
+    for sqs in dict.fromkeys((default_sqs(), "moto")):
         log(f"startup: python -m onprem.embedded (SQS on {sqs}) to the first succeeded task")
         try:
             r = once(sqs)

@@ -22,7 +22,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from bench.common import (RESULTS, ROOT, at_least, cpu_s, default_ddb, flag, keep_logs, log, raise_if_flagged, save,
+from bench.common import (RESULTS, ROOT, at_least, cpu_s, default_ddb, default_sqs, flag, keep_logs, log, raise_if_flagged, save,
                           sentence, settings, stack)
 
 
@@ -178,7 +178,7 @@ def profile_summary(path: Path, top: int = 10) -> dict:
 
 
 def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, extra_env: dict | None = None,
-          sqs: str = "localstack", model: str = "minilm-embed", inputs_per_task: int = 1,
+          sqs: str | None = None, model: str = "minilm-embed", inputs_per_task: int = 1,
           start_timeout_s: float = 120, stop_timeout_s: float | None = None, keep_logs_always: bool = False,
           profile_as: str | None = None, profile_s: float = 8) -> dict:
     """Fill the queue with n tasks, start the workers, time their drain. The
@@ -190,6 +190,7 @@ def drain(n: int, batch: int, threads: int, timeout_s: float, workers: int = 1, 
     installed (its summary is the result's "profile")."""
     from sluice.adapters.task_store import TaskStore
 
+    sqs = sqs or default_sqs()
     # On the CPU unless told (bench.gpu): the raw model it is measured against is.
     env = {"SLUICE_MODELS": model, "SLUICE_MAX_BATCH_SIZE": str(batch), "SLUICE_DEVICE": "cpu",
            "SLUICE_TORCH_THREADS": str(threads), **(extra_env or {})}
@@ -317,7 +318,8 @@ def raw_many(batches: list[int], threads: int, seconds: float = 6, dtype: str = 
 
 
 
-def main(quick: bool = False, sqs: str = "localstack") -> dict:
+def main(quick: bool = False, sqs: str | None = None) -> dict:
+    sqs = sqs or default_sqs()
     threads = max(1, os.cpu_count() or 2)
     n = 600 if quick else 1500
     results: dict = {"sqs": sqs, "dynamodb": default_ddb()}
@@ -383,4 +385,4 @@ def main(quick: bool = False, sqs: str = "localstack") -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(main(quick="--quick" in sys.argv,
-                          sqs="moto" if "--moto" in sys.argv else "localstack"), indent=1))
+                          sqs="moto" if "--moto" in sys.argv else None), indent=1))
