@@ -498,3 +498,53 @@ def test_workers_stuck_at_a_stop_share_one_grace_not_one_each(tmp_path, monkeypa
     took = time.monotonic() - started
     assert all(proc.poll() is not None for proc in stack.procs.values())
     assert took < 2 * embedded.WORKER_STOP_GRACE_S, took  # one grace (2 s), not four (8 s)
+
+
+@pytest.mark.parametrize("built, setting, chosen", [
+    ({"fauxqs", "localstack"}, None, "fauxqs"),
+    ({"localstack"}, None, "localstack"),  # no npm: make install built no fauxqs
+    (set(), None, "moto"),
+    ({"fauxqs", "localstack"}, "localstack", "localstack"),
+    ({"fauxqs", "localstack"}, "moto", "moto"),
+])
+def test_make_run_s_sqs_is_fauxqs_when_built_and_the_setting_chooses_another(tmp_path, monkeypatch,
+                                                                           built, setting, chosen):
+    monkeypatch.setattr(embedded, "FAUXQS_MODULES", tmp_path / "fauxqs" if "fauxqs" in built else tmp_path / "no")
+    monkeypatch.setattr(embedded, "LOCALSTACK_PYTHON", tmp_path / "python" if "localstack" in built else tmp_path / "no")
+    (tmp_path / "fauxqs").mkdir()
+    (tmp_path / "python").touch()
+    if setting is None:
+        monkeypatch.delenv("SLUICE_EMBEDDED_SQS", raising=False)
+    else:
+        monkeypatch.setenv("SLUICE_EMBEDDED_SQS", setting)
+    assert embedded.default_sqs() == chosen
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses (IPv4 and IPv6, hex as in /proc) of the sockets a process listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd)
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not embedded.FAUXQS_MODULES.exists(), reason="make install builds fauxqs (it needs npm)")
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+def test_make_run_s_sqs_listens_on_loopback_only(tmp_path):
+    # fauxqs's own launcher listens on every interface; onprem/fauxqs/serve.mjs must not.
+    stack = Stack(api_port=free_port(), sqs="fauxqs", ddb="moto", log_dir=tmp_path)
+    proc = stack.start_fauxqs()
+    try:
+        embedded.wait_http(f"{stack.sqs_url}/health", 30, alive=proc)
+        assert listening_addresses(proc.pid) == {"0100007F"}  # 127.0.0.1, and nothing else
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0  # a clean stop on SIGTERM
