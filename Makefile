@@ -35,25 +35,18 @@ $(LS_STAMP): Makefile
 	OVERRIDE_IN_DOCKER=0 FILESYSTEM_ROOT=$(LS_VENV)/filesystem $(LS_VENV)/bin/python -m localstack.aws.spec
 	touch $@
 
-# dynalite (Node) serves DynamoDB in `make run`: 4-17x less CPU per call than
-# moto's (docs/benchmarks.md). Without npm, `make run` keeps DynamoDB on moto.
-DYNALITE := onprem/dynalite
-DYNALITE_STAMP := $(DYNALITE)/node_modules/.installed
-$(DYNALITE_STAMP): $(DYNALITE)/package-lock.json
-	@if command -v npm >/dev/null; then \
-		npm ci --prefix $(DYNALITE) --no-audit --no-fund --loglevel=error && touch $@; \
-	else echo "npm not found: DynamoDB stays on moto in make run" >&2; fi
-
-# fauxqs (Node) serves SQS in `make run`: a quarter of LocalStack's CPU per task
-# (docs/benchmarks.md). Without npm, `make run` keeps SQS on LocalStack.
+# Two Node emulators serve `make run`: dynalite its DynamoDB (4-17x less CPU
+# per call than moto's) and fauxqs its SQS (a quarter of LocalStack's CPU per
+# task); docs/benchmarks.md has the figures. Without npm, `make run` keeps
+# DynamoDB on moto and SQS on LocalStack.
+NODE_EMULATORS := onprem/dynalite/node_modules/.installed onprem/fauxqs/node_modules/.installed
 FAUXQS := onprem/fauxqs
-FAUXQS_STAMP := $(FAUXQS)/node_modules/.installed
-$(FAUXQS_STAMP): $(FAUXQS)/package-lock.json
+onprem/%/node_modules/.installed: onprem/%/package-lock.json
 	@if command -v npm >/dev/null; then \
-		npm ci --prefix $(FAUXQS) --no-audit --no-fund --loglevel=error && touch $@; \
-	else echo "npm not found: SQS stays on LocalStack in make run" >&2; fi
+		npm ci --prefix onprem/$* --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "npm not found: make run goes without $* (DynamoDB on moto, SQS on LocalStack)" >&2; fi
 
-install: $(STAMP) $(LS_STAMP) $(DYNALITE_STAMP) $(FAUXQS_STAMP)
+install: $(STAMP) $(LS_STAMP) $(NODE_EMULATORS)
 
 run: install  ## the whole service on this machine (embedded profile)
 	$(PY) -m onprem.embedded
