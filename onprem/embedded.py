@@ -141,6 +141,7 @@ def demo_key() -> str | None:
 
 
 SQS_EMULATORS = ("moto", "localstack", "fauxqs")
+SQS_NAMES = {"moto": "moto", "localstack": "LocalStack", "fauxqs": "fauxqs"}
 DDB_EMULATORS = ("moto", "dynalite")
 
 # prctl(2): the signal a process gets when the thread that forked it exits.
@@ -597,7 +598,7 @@ def print_banner(stack: Stack, key: str) -> None:
         cli = f"SLUICE_STATE_DIR={shlex.quote(str(STATE_DIR))} {cli}"
     say(
         f"""
-Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: LocalStack on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
+Sluice is running (embedded profile): API {url}, {stack.workers} workers, emulator on 127.0.0.1:{stack.emulator_port}{f", SQS: {SQS_NAMES[stack.sqs]} on {stack.sqs_url}" if stack.sqs_url else ""}{f", DynamoDB: dynalite on {stack.ddb_url}" if stack.ddb_url else ""}
 API docs: {url}/docs      logs: {stack.log_dir}/
 Demo API key (tenant "demo"): {key}
 

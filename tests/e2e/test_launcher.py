@@ -395,6 +395,12 @@ def test_the_banner_s_cli_commands_reach_this_stack(capsys, monkeypatch, state_d
     assert all(c.startswith(prefix) for c in commands), commands
 
 
+@pytest.mark.parametrize("sqs, named", [("fauxqs", "SQS: fauxqs on"), ("localstack", "SQS: LocalStack on")])
+def test_the_banner_names_the_sqs_server_it_started(capsys, sqs, named):
+    print_banner(Stack(api_port=8001, sqs=sqs, sqs_port=4566, ddb="moto"), "sk_demo")
+    assert f"{named} http://127.0.0.1:4566" in capsys.readouterr().out
+
+
 def test_a_busy_api_port_is_refused_before_anything_starts(tmp_path):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
