@@ -228,7 +228,7 @@ FAUXQS_MODULES = ROOT / "onprem" / "fauxqs" / "node_modules" / "fauxqs"
 
 def default_sqs() -> str:
     """What `make run` uses: fauxqs when make install built it (it needs npm),
-    else LocalStack. fauxqs spends a tenth of LocalStack's CPU per SQS call;
+    else LocalStack. fauxqs costs a quarter of LocalStack's CPU per task;
     moto's SQS slows as a queue grows and halved end-to-end throughput
     (docs/benchmarks.md)."""
     if FAUXQS_MODULES.exists():

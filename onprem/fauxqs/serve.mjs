@@ -9,7 +9,8 @@ if (!Number.isInteger(port) || port <= 0 || port > 65535) {
   console.error(`usage: node serve.mjs PORT (got ${process.argv[2]})`);
   process.exit(2);
 }
-const app = buildApp({ logger: false });
+// Errors only: an internal error is then in make run's sqs.log, not a request line per call.
+const app = buildApp({ logger: { level: "error" } });
 for (const signal of ["SIGTERM", "SIGINT"]) {
   process.on(signal, () => app.close().then(() => process.exit(0)));
 }
