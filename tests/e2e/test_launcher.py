@@ -531,7 +531,10 @@ def listening_addresses(pid: int) -> set[str]:
     """The local addresses (IPv4 and IPv6, hex as in /proc) of the sockets a process listens on."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed since the listing: not a listener
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = set()
