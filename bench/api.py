@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from bench.common import (Http, default_sqs, LoadResult, at_most, closed_loop, flag, log, pct, raise_if_flagged, save, sentence,
+from bench.common import (Http, LoadResult, at_most, closed_loop, default_sqs, flag, log, pct, raise_if_flagged, save, sentence,
                           settings, stack)
 
 

@@ -27,7 +27,7 @@ _H11 = ("import runpy, sys\n"
 
 
 def main(rounds: int, reps: int) -> None:
-    with stack(workers=0, api=True, sqs=None) as s:
+    with stack(workers=0, api=True) as s:
         key = s.create_key("bench")
         port = free_port()
         h11 = subprocess.Popen([sys.executable, "-c", _H11], env={**os.environ, **s.env(), "SLUICE_PORT": str(port)})

@@ -32,7 +32,7 @@ def main(quick: bool = False) -> dict:
 
     n = 100 if quick else 300
     results: dict = {"calls_per_round": n, "rounds": ROUNDS}
-    with stack(workers=0, api=False, sqs=None) as s:
+    with stack(workers=0, api=False) as s:
         results["dynamodb"] = s.ddb
         st = settings()
         service = TaskService(st)

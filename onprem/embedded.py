@@ -142,6 +142,7 @@ def demo_key() -> str | None:
 
 SQS_EMULATORS = ("moto", "localstack", "fauxqs")
 SQS_NAMES = {"moto": "moto", "localstack": "LocalStack", "fauxqs": "fauxqs"}
+SQS_HEALTH = {"localstack": "/_localstack/health", "fauxqs": "/health"}  # of the servers apart from moto
 DDB_EMULATORS = ("moto", "dynalite")
 
 # prctl(2): the signal a process gets when the thread that forked it exits.
@@ -242,6 +243,14 @@ def default_ddb() -> str:
     """What `make run` uses: dynalite when make install built it (it needs npm).
     moto's DynamoDB costs 4-17x more CPU per call (docs/benchmarks.md)."""
     return env_choice("SLUICE_EMBEDDED_DDB", DDB_EMULATORS, "dynalite" if DYNALITE.exists() else "moto")
+
+
+def fauxqs_command(port: int) -> list[str]:
+    """The command of a fauxqs SQS server on 127.0.0.1:port, in memory; shared
+    by the embedded profile and the tests' fauxqs pass (tests/conftest.py)."""
+    if not FAUXQS_MODULES.exists():
+        raise RuntimeError(f"{FAUXQS_MODULES} is missing: `make install` installs it (it needs npm)")
+    return ["node", str(FAUXQS), str(port)]
 
 
 def localstack_env(port: int, data_dir: Path) -> dict[str, str]:
@@ -398,8 +407,7 @@ class Stack:
         ddb = self.start_dynalite() if self.ddb == "dynalite" else None
         self.wait(f"http://127.0.0.1:{self.emulator_port}/moto-api/", 30, alive=proc)
         if sqs is not None:
-            health = "/_localstack/health" if self.sqs == "localstack" else "/health"
-            self.wait(f"{self.sqs_url}{health}", 60, alive=sqs)
+            self.wait(f"{self.sqs_url}{SQS_HEALTH[self.sqs]}", 60, alive=sqs)
         if ddb is not None:
             self.wait(f"{self.ddb_url}/", 30, alive=ddb)  # "healthy: dynamodb..." once it listens
 
@@ -410,11 +418,9 @@ class Stack:
                                    "--createTableMs", "0"], on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
     def start_fauxqs(self) -> subprocess.Popen:
-        if not FAUXQS_MODULES.exists():
-            raise RuntimeError(f"{FAUXQS_MODULES} is missing: `make install` installs it (it needs npm)")
         self.sqs_port = self.sqs_port or free_port()
         # In memory, like LocalStack here: make run's queues start empty.
-        return self._spawn("sqs", ["node", str(FAUXQS), str(self.sqs_port)], on_launcher_death=EMULATOR_DEATH_SIGNAL)
+        return self._spawn("sqs", fauxqs_command(self.sqs_port), on_launcher_death=EMULATOR_DEATH_SIGNAL)
 
     def start_localstack(self) -> subprocess.Popen:
         self.sqs_port = self.sqs_port or free_port()

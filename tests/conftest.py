@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from botocore.client import BaseClient
 
-from onprem.embedded import FAUXQS, FAUXQS_MODULES, emulator_env, free_port, wait_http
+from onprem.embedded import SQS_HEALTH, emulator_env, fauxqs_command, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,13 +30,16 @@ def sqs_server():
     if choice == "moto":
         yield None
         return
-    if choice != "fauxqs" or not FAUXQS_MODULES.exists():
-        raise pytest.UsageError(f"SLUICE_TEST_SQS={choice!r}: moto, or fauxqs once `make install` built it")
+    if choice != "fauxqs":
+        raise pytest.UsageError(f"SLUICE_TEST_SQS={choice!r}: moto or fauxqs")
     port = free_port()
-    proc = subprocess.Popen(["node", str(FAUXQS), str(port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 30, alive=proc)
+        command = fauxqs_command(port)
+    except RuntimeError as exc:
+        raise pytest.UsageError(f"SLUICE_TEST_SQS=fauxqs: {exc}") from None
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}{SQS_HEALTH['fauxqs']}", 30, alive=proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

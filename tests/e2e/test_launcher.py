@@ -553,7 +553,7 @@ def test_make_run_s_sqs_listens_on_loopback_only(tmp_path):
     stack = Stack(api_port=free_port(), sqs="fauxqs", ddb="moto", log_dir=tmp_path)
     proc = stack.start_fauxqs()
     try:
-        embedded.wait_http(f"{stack.sqs_url}/health", 30, alive=proc)
+        embedded.wait_http(f"{stack.sqs_url}{embedded.SQS_HEALTH['fauxqs']}", 30, alive=proc)
         assert listening_addresses(proc.pid) == {"0100007F"}  # 127.0.0.1, and nothing else
     finally:
         proc.terminate()
